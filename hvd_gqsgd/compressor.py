@@ -1,0 +1,136 @@
+"""``GlobalQSGD``: the Horovod compressor users construct.  Picks the framework adapter by the
+type of the first tensor it sees and imports that framework only then."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import threading
+from typing import Any
+
+from . import core
+from .engine import Engine, Stats
+
+__all__ = ["GlobalQSGD"]
+
+# tensor type's top-level module -> adapter module, backend class name
+_ADAPTERS = {
+    "torch": ("hvd_gqsgd.torch", "TorchBackend"),
+    "tensorflow": ("hvd_gqsgd.tensorflow", "TensorFlowBackend"),
+}
+
+
+class GlobalQSGD:
+    r"""Global-QSGD gradient compression for Horovod (PyTorch and TensorFlow 2).
+
+    Algorithm, for the ``n`` ranks of the process set and ``bits``-bit lanes:
+
+    1. **Global scale** (COLLECTIVE). Each rank computes a local norm per tensor,
+       :math:`\|x_i\|_\infty` (``norm="max"``) or :math:`\|x_i\|_2` (``norm="l2"``); one MAX
+       allreduce per batch of tensors gives every rank the same scale :math:`s`.
+    2. **Quantize.** :math:`L = \lfloor (2^{bits-1} - 1) / n \rfloor` levels per sign, so the
+       sum of ``n`` codes in :math:`[-L, L]` always fits a ``bits``-bit lane.  Each rank draws
+       :math:`q = \lfloor xL/s \rfloor + [u < \mathrm{frac}(xL/s)]`, ``u`` uniform from its own
+       generator: unbiased, :math:`E[q] = xL/s`.
+    3. **Sum** (COLLECTIVE). Codes are packed ``64 // bits`` to an int64 word and summed by
+       Horovod's ordinary allreduce; lanes cannot carry into each other (see
+       :mod:`hvd_gqsgd.core`).
+    4. **Rescale.** :math:`\sum_i q_i \cdot s / L`, times 1/n for Average.  Bit-identical on
+       every rank.
+
+    Bytes on the wire per element: ``8 / (64 // bits)`` (1 at ``bits=8``, 4x fewer than fp32),
+    plus 8 bytes per tensor for the scale and 16 for the probe described below.
+
+    Example::
+
+        import horovod.torch as hvd
+        from hvd_gqsgd import GlobalQSGD
+
+        hvd.init()
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression=GlobalQSGD(bits=8))
+
+    Args:
+        bits: lane width, 2..16.  ``L`` shrinks like ``1/n``: 8 bits gives 63 levels at n=2,
+            15 at n=8, 0 (an error naming the smallest bits that works) at n=128.
+        norm: ``"max"`` or ``"l2"`` (see step 1).
+        seed: ``None`` (default) seeds each rank's rounding noise from the OS; an int makes
+            runs reproducible.  Either way the noise differs between ranks and the framework's
+            global RNG is never read or advanced.
+        process_set: Horovod process set for the compressor's own collectives; must be the
+            same set the optimizer or ``hvd.allreduce`` reduces over (default: global).
+        bucket_bytes: if > 0, quantize and send queued tensors as soon as this many input
+            bytes are queued (costs one blocking scale exchange per bucket), instead of
+            when the first result is needed.
+
+    .. warning::
+        * **Op.** Any ``op`` that sums works: ``Average`` (the default), ``Sum``, and
+          ``gradient_predivide_factor``.  ``compress`` is not told the op, so the codes travel
+          in a separate Sum allreduce and Horovod's own allreduce carries a 2-element probe
+          that reveals the op's scaling.  ``Adasum``, ``Min``, ``Max`` and ``Product`` raise
+          ``ValueError`` in ``decompress``: integer sums cannot implement them.
+        * **Order.** Every rank must call ``compress`` on the same tensors in the same order
+          (true for the same model and script).  A layout mismatch in size or dtype raises.
+        * **World size.** ``L`` is recomputed at every batch from the current process-set
+          size; if ``bits`` is too small for it, ``ValueError`` says which ``bits`` works.
+        * Non-float and empty tensors pass through unchanged (Horovod reduces them as usual).
+          NaN/Inf on any rank gives an all-NaN result on every rank.
+    """
+
+    _instances = itertools.count()
+
+    def __init__(self, bits: int = 8, norm: str = "max", seed: int | None = None,
+                 process_set: Any = None, bucket_bytes: int = 0) -> None:
+        self.settings = core.Settings(bits=bits, norm=norm, seed=seed, bucket_bytes=bucket_bytes)
+        self.process_set = process_set
+        self._uid = next(GlobalQSGD._instances)
+        self._engines: dict[str, Engine] = {}  # framework name -> its engine
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        s = self.settings
+        return f"GlobalQSGD(bits={s.bits}, norm={s.norm!r}, seed={s.seed!r})"
+
+    def compress(self, tensor: Any) -> tuple[Any, Any]:
+        """Horovod compressor hook.  Queues ``tensor`` and returns ``(probe, ctx)``."""
+        return self._engine_for(tensor).compress(tensor)
+
+    def decompress(self, tensor: Any, ctx: Any) -> Any:
+        """Horovod compressor hook.  Returns the reduced gradient for ``ctx`` (COLLECTIVE on
+        the first call after a batch of ``compress`` calls)."""
+        if ctx is None:
+            return tensor
+        return self._engine_for(tensor).decompress(tensor, ctx)
+
+    def levels(self, world_size: int) -> int:
+        """Quantization levels per sign at ``world_size`` ranks (``ValueError`` if 0)."""
+        return core.levels(self.settings.bits, world_size)
+
+    @property
+    def stats(self) -> Stats:
+        """Byte counters of the last and all rounds, summed over frameworks used."""
+        if len(self._engines) == 1:
+            return next(iter(self._engines.values())).stats
+        total = Stats()
+        for engine in self._engines.values():
+            for name, value in engine.stats.as_dict().items():
+                if name != "last_ratio":
+                    setattr(total, name, getattr(total, name) + value)
+        return total
+
+    def _engine_for(self, tensor: Any) -> Engine:
+        framework = type(tensor).__module__.split(".")[0]
+        engine = self._engines.get(framework)
+        if engine is not None:
+            return engine
+        if framework not in _ADAPTERS:
+            raise TypeError(
+                f"GlobalQSGD got a {type(tensor).__module__}.{type(tensor).__name__}; it "
+                f"supports tensors of {sorted(_ADAPTERS)}"
+            )
+        module, cls = _ADAPTERS[framework]
+        backend = getattr(importlib.import_module(module), cls)(self.settings.seed)
+        with self._lock:
+            engine = self._engines.setdefault(
+                framework, Engine(backend, self.settings, self.process_set, self._uid))
+        return engine

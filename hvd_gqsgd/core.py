@@ -1,0 +1,287 @@
+"""Framework-free math of Global-QSGD: levels, overflow bound, rounding, lane packing, rescale.
+
+Everything numeric that hvd_gqsgd does is written once here.  The functions that touch tensors
+take an ``ops`` object (see :class:`TensorOps`) whose methods are one-line translations into
+PyTorch or TensorFlow; they never re-derive a formula.  This module imports neither framework.
+
+The overflow bound
+------------------
+Each of ``n`` ranks sends integer codes ``q`` in ``[-L, L]``.  A lane of ``bits`` bits holds
+signed values in ``[-(2**(bits-1) - 1), 2**(bits-1) - 1]``, so choosing::
+
+    L = floor((2**(bits-1) - 1) / n)
+
+makes every partial sum of up to ``n`` codes fit its lane, whatever order the allreduce adds
+them in.  ``L == 0`` means ``bits`` is too small for ``n`` ranks and is an error.
+
+Signed-digit packing
+--------------------
+``K = 64 // bits`` codes share one int64 word as ``W = sum_k q_k * 2**(bits*k)``.  ``W`` is
+an ordinary integer (lanes are signed digits, not bit fields), so adding words adds lanes, and
+because every lane sum stays inside ``(-2**(bits-1), 2**(bits-1))``:
+
+* no partial sum of words leaves the int64 range (``|W| < 2**63``), so nothing wraps;
+* the lane sums are recovered exactly, lowest lane first, by taking the centred residue
+  modulo ``2**bits`` and shifting it out (:func:`unpack`).
+
+A lane never carries into the next because there is nothing to carry: the arithmetic is exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+__all__ = [
+    "MIN_BITS",
+    "MAX_BITS",
+    "WORD_BITS",
+    "NORMS",
+    "Settings",
+    "TensorOps",
+    "levels",
+    "min_bits",
+    "lanes_per_word",
+    "packed_words",
+    "wire_bytes",
+    "rank_seed",
+    "probe_values",
+    "check_probe",
+    "quantize",
+    "pack",
+    "unpack",
+    "multipliers",
+    "step_sizes",
+    "layout_fingerprint",
+]
+
+MIN_BITS = 2
+MAX_BITS = 16
+WORD_BITS = 64
+NORMS = ("max", "l2")
+
+
+def levels(bits: int, world_size: int) -> int:
+    """Levels per sign ``L`` such that the sum of ``world_size`` codes fits a ``bits``-bit lane.
+
+    Raises ``ValueError`` when ``L`` would be 0, naming the smallest ``bits`` that works.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    n_levels = ((1 << (bits - 1)) - 1) // world_size
+    if n_levels < 1:
+        raise ValueError(
+            f"GlobalQSGD(bits={bits}) leaves 0 quantization levels per rank at world size "
+            f"{world_size}: the sum of {world_size} codes would overflow a {bits}-bit lane. "
+            f"Use bits >= {min_bits(world_size)}."
+        )
+    return n_levels
+
+
+def min_bits(world_size: int) -> int:
+    """Smallest lane width that gives at least one level per rank for ``world_size`` ranks."""
+    # Need 2**(bits-1) - 1 >= n, i.e. bits - 1 >= log2(n + 1).
+    return max(MIN_BITS, 1 + (world_size).bit_length())
+
+
+def lanes_per_word(bits: int) -> int:
+    """Codes packed into one int64 word."""
+    return WORD_BITS // bits
+
+
+def packed_words(numel: int, bits: int) -> int:
+    """int64 words needed for ``numel`` codes."""
+    return -(-numel // lanes_per_word(bits))
+
+
+def wire_bytes(numel: int, bits: int) -> int:
+    """Bytes of packed payload that ``numel`` codes put on the wire (per rank, per allreduce)."""
+    return packed_words(numel, bits) * (WORD_BITS // 8)
+
+
+def rank_seed(seed: int | None, rank: int) -> int:
+    """A 63-bit generator seed for ``rank``.
+
+    With ``seed=None`` the seed comes from the OS, so ranks are independent even when the
+    training script seeds every framework RNG identically.  With a ``seed`` the streams are
+    reproducible and still differ between ranks (a hash of ``(seed, rank)``).
+    """
+    if seed is None:
+        return int.from_bytes(os.urandom(8), "little") >> 1
+    digest = hashlib.blake2b(f"gqsgd:{seed}:{rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Validated, immutable compressor settings.  All argument checking lives here.
+
+    Attributes:
+        bits: lane width of one code on the wire, 2..16.
+        norm: ``"max"`` (global scale = max over ranks of max |x|) or ``"l2"`` (max over ranks
+            of the local L2 norm).
+        seed: ``None`` for OS-seeded rounding noise, or an int >= 0 for reproducible noise.
+        bucket_bytes: flush the pending tensors early once this many input bytes are queued
+            (0 = flush only when the first result is needed).
+    """
+
+    bits: int = 8
+    norm: str = "max"
+    seed: int | None = None
+    bucket_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int):
+            raise ValueError(f"bits must be an int in [{MIN_BITS}, {MAX_BITS}], got {self.bits!r}")
+        if not MIN_BITS <= self.bits <= MAX_BITS:
+            raise ValueError(
+                f"bits must be in [{MIN_BITS}, {MAX_BITS}], got {self.bits}; "
+                "8 is the usual choice (4x fewer bytes than fp32)"
+            )
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0
+        ):
+            raise ValueError(f"seed must be None or an int >= 0, got {self.seed!r}")
+        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or (
+            self.bucket_bytes < 0
+        ):
+            raise ValueError(f"bucket_bytes must be an int >= 0, got {self.bucket_bytes!r}")
+
+
+# --------------------------------------------------------------------------- tensor ops
+
+
+class TensorOps(Protocol):
+    """The primitives the core needs from a framework.  Each adapter method is a line or two."""
+
+    def floor(self, x: Any) -> Any: ...
+    def clamp(self, x: Any, low: float, high: float) -> Any: ...
+    def less(self, a: Any, b: Any) -> Any: ...
+    def to_int64(self, x: Any) -> Any: ...
+    def pad_reshape(self, x: Any, rows: int, cols: int) -> Any: ...
+    def column(self, x: Any, k: int) -> Any: ...
+    def stack_columns(self, cols: Sequence[Any], numel: int) -> Any: ...
+    def bitand(self, x: Any, mask: int) -> Any: ...
+    def rshift(self, x: Any, shift: int) -> Any: ...
+    def isfinite(self, x: Any) -> Any: ...
+    def where(self, cond: Any, a: Any, b: Any) -> Any: ...
+
+
+def quantize(ops: TensorOps, x: Any, mult: Any, noise: Any, n_levels: int) -> Any:
+    """Unbiased stochastic rounding of ``x * mult`` to integers in ``[-L, L]`` (int64).
+
+    ``y = clamp(x * mult, -L, L)`` then ``q = floor(y) + (u < y - floor(y))`` with ``u``
+    uniform in [0, 1).  ``E[q] = y``.  Written this way rather than ``floor(y + u)`` because
+    ``y + u`` can round up to ``floor(y) + 1`` (even to ``L + 1``) in floating point; the
+    fractional part ``y - floor(y)`` is exact, so the comparison is exact too.  The clamp only
+    bites when ``|x| == s`` and ``x * (L/s)`` rounds a hair above ``L``.
+    """
+    y = ops.clamp(x * mult, -float(n_levels), float(n_levels))
+    low = ops.floor(y)
+    up = ops.less(noise, y - low)
+    return ops.to_int64(low) + ops.to_int64(up)
+
+
+def pack(ops: TensorOps, codes: Any, bits: int) -> Any:
+    """Pack flat int64 ``codes`` into int64 words, ``lanes_per_word(bits)`` codes per word.
+
+    Word ``j`` is ``sum_k codes[j*K + k] * 2**(bits*k)`` (signed digits; see module docstring).
+    The tail is padded with zeros.
+    """
+    k_lanes = lanes_per_word(bits)
+    numel = _numel_of(codes)
+    grid = ops.pad_reshape(codes, packed_words(numel, bits), k_lanes)
+    word = ops.column(grid, k_lanes - 1)
+    for k in range(k_lanes - 2, -1, -1):  # Horner: every partial value is itself a valid word
+        word = word * (1 << bits) + ops.column(grid, k)
+    return word
+
+
+def unpack(ops: TensorOps, words: Any, bits: int, numel: int) -> Any:
+    """Inverse of :func:`pack` for a *sum* of packed words: the flat int64 lane sums.
+
+    Exact whenever every lane sum lies in ``[-(2**(bits-1) - 1), 2**(bits-1) - 1]``, which the
+    choice of :func:`levels` guarantees.
+    """
+    half, mask = 1 << (bits - 1), (1 << bits) - 1
+    cols = []
+    for _ in range(lanes_per_word(bits) - 1):
+        lane = ops.bitand(words + half, mask) - half  # centred residue mod 2**bits
+        cols.append(lane)
+        words = ops.rshift(words - lane, bits)  # exact: words - lane is a multiple of 2**bits
+    cols.append(words)
+    return ops.stack_columns(cols, numel)
+
+
+def _numel_of(x: Any) -> int:
+    shape = getattr(x, "shape")
+    return int(math.prod(int(d) for d in shape))
+
+
+# --------------------------------------------------------------------------- scale and probe
+
+
+def multipliers(ops: TensorOps, scales: Any, n_levels: int) -> Any:
+    """Per-tensor quantization multiplier ``L / s``; 0 where ``s`` is 0 (an all-zero tensor on
+    every rank) or not finite (a NaN/Inf somewhere: the result is poisoned in
+    :func:`step_sizes` instead), so no NaN or Inf ever enters the integer codes."""
+    ok = ops.isfinite(scales) & (scales > 0)
+    return ops.where(ok, n_levels / ops.where(ok, scales, 1.0), 0.0)
+
+
+def step_sizes(ops: TensorOps, scales: Any, n_levels: int) -> Any:
+    """Per-tensor value of one summed code, ``s / L``.  NaN where the global scale is not
+    finite, so a NaN/Inf gradient on any rank yields an all-NaN result on every rank (AMP's
+    loss scaler then skips the step everywhere)."""
+    return ops.where(ops.isfinite(scales), scales / n_levels, math.nan)
+
+
+def probe_values(rank: int) -> tuple[float, float]:
+    """What each rank hands Horovod's own allreduce in place of the gradient.
+
+    Horovod may apply ``Average`` (sum, then a postscale truncated into integers), pre/post
+    scale factors, or an op that cannot work on integer sums; ``compress`` is never told which.
+    So the integer codes travel in a separate ``Sum`` allreduce, and Horovod's allreduce gets
+    this 2-element probe ``[1, rank + 1]``.  A reduction that yields ``alpha * sum_i x_i`` for
+    gradients (Sum: alpha = 1; Average: 1/n; times any pre/postscale) returns
+    ``alpha * [n, n(n+1)/2]`` for the probe, so ``probe[0] / n`` is the factor to apply to the
+    decoded sum, and ``probe[1]`` checks that the reduction really was such a sum.
+    """
+    return (1.0, float(rank + 1))
+
+
+def check_probe(reduced: Sequence[float], world_size: int) -> float:
+    """Validate a reduced probe and return the factor to apply to the sum of gradients.
+
+    Raises ``ValueError`` when the reduction was not a (scaled) sum over ``world_size`` ranks
+    -- Adasum, Min, Max, Product, or a process set that differs from the compressor's.
+    """
+    total, ranks = float(reduced[0]), float(reduced[1])
+    expected = total * (world_size + 1) / 2.0
+    if not (math.isfinite(total) and total > 0 and math.isclose(ranks, expected, rel_tol=1e-9)):
+        raise ValueError(
+            "GlobalQSGD needs Horovod to reduce with op=Sum or op=Average (optionally with "
+            "pre/postscale factors) over the same process set as GlobalQSGD(process_set=...); "
+            f"the probe came back as [{total!r}, {ranks!r}] at world size {world_size}, which "
+            "no such reduction produces. Adasum, Min, Max and Product cannot act on "
+            "integer-summed codes: use Compression.none or fp16 with those ops."
+        )
+    return total / world_size
+
+
+def layout_fingerprint(numels: Sequence[int], dtypes: Sequence[str]) -> float:
+    """A float64-exact (< 2**52) hash of a bucket's layout, compared across ranks.
+
+    Ranks must compress tensors in the same order; a mismatch that changes sizes or dtypes is
+    caught by exchanging this value alongside the scales.
+    """
+    text = ",".join(f"{n}:{d}" for n, d in zip(numels, dtypes)).encode()
+    return float(int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 12)

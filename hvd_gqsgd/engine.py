@@ -1,0 +1,250 @@
+"""The Global-QSGD round: queue tensors, exchange one scale vector, sum packed codes, rescale.
+
+Framework-free.  An adapter supplies a :class:`Backend` (tensor primitives plus Horovod's
+collectives for its framework); this module decides *when* each collective runs and in which
+order, and :mod:`hvd_gqsgd.core` supplies every formula.
+
+Life of a round (all ranks must make the same calls in the same order)::
+
+    compress(t1) .. compress(tk)        queue; return a 2-element probe per tensor
+    [bucket full -> flush]              optional early flush (Settings.bucket_bytes)
+    decompress(probe1, ctx1)            first result needed -> flush what is queued:
+                                          1. COLLECTIVE  MAX allreduce of local norms + layout
+                                          2. quantize + pack all queued tensors at once
+                                          3. COLLECTIVE  async Sum allreduce of the int64 words
+                                        then wait, unpack once per bucket, rescale tensor 1
+    decompress(probe_k, ctx_k)          rescale from the already-unpacked bucket
+    (all results taken -> the round ends; collective names restart, so Horovod's response
+     cache sees the same names every step)
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+from . import core
+
+__all__ = ["Backend", "Engine", "Entry", "Stats"]
+
+
+class Backend(core.TensorOps, Protocol):
+    """Framework primitives on top of :class:`core.TensorOps`.  Methods that talk to other
+    ranks are marked COLLECTIVE: every rank of the process set must call them in the same order.
+    """
+
+    def is_compressible(self, t: Any) -> bool: ...
+    def dtype_name(self, t: Any) -> str: ...
+    def numel(self, t: Any) -> int: ...
+    def world(self, process_set: Any) -> tuple[int, int, Any]: ...  # (rank, size, set)
+    def probe(self, values: Sequence[float], like: Any) -> Any: ...
+    def probe_factor(self, reduced: Any, world_size: int) -> Any: ...
+    def local_norms(self, tensors: Sequence[Any], norm: str, extra: Sequence[float]) -> Any: ...
+    def allreduce_max(self, vec: Any, name: str, process_set: Any) -> Any: ...  # COLLECTIVE
+    def check_layout(self, reduced: Any) -> Any: ...
+    def repeat(self, per_tensor: Any, counts: Sequence[int], like: Any) -> Any: ...
+    def flat_concat(self, tensors: Sequence[Any]) -> Any: ...
+    def uniform(self, like: Any, rank: int) -> Any: ...
+    def allreduce_sum_async(self, words: Any, name: str, process_set: Any) -> Any: ...  # COLL.
+    def wait(self, handle: Any) -> Any: ...
+    def segment(self, sums: Any, offset: int, like: Any) -> Any: ...  # as like's compute dtype
+    def finish(self, values: Any, like: Any) -> Any: ...  # to like's dtype and shape
+
+
+@dataclass
+class Stats:
+    """Byte and call counters, per round (``last_*``) and cumulative (``total_*``).
+
+    ``payload`` is the packed codes one rank sends into the allreduce; ``overhead`` is the
+    scale/layout vector and the probes; ``uncompressed`` is what the same tensors would have
+    cost in their own dtype.
+    """
+
+    rounds: int = 0
+    tensors: int = 0
+    last_uncompressed: int = 0
+    last_payload: int = 0
+    last_overhead: int = 0
+    total_uncompressed: int = 0
+    total_payload: int = 0
+    total_overhead: int = 0
+
+    @property
+    def last_ratio(self) -> float:
+        """Uncompressed bytes over bytes actually sent, for the last finished round."""
+        sent = self.last_payload + self.last_overhead
+        return self.last_uncompressed / sent if sent else float("nan")
+
+    def as_dict(self) -> dict[str, float]:
+        names = [f for f in self.__dataclass_fields__]
+        return {**{f: getattr(self, f) for f in names}, "last_ratio": self.last_ratio}
+
+
+@dataclass(eq=False)
+class Entry:
+    """One compressed tensor: the ``ctx`` that ``compress`` returns to Horovod."""
+
+    tensor: Any  # the input: read when its bucket is flushed, its shape/dtype when rescaled
+    numel: int
+    nbytes: int
+    bucket: Bucket | None = None
+    index: int = -1  # position inside the bucket
+    offset: int = 0  # element offset inside the bucket's flat buffer
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Tensors quantized together: one scale exchange and one packed Sum allreduce."""
+
+    entries: list[Entry]
+    rank: int
+    world_size: int
+    n_levels: int
+    steps: Any = None  # value of one summed code per entry (s / L), float64 on the device
+    handle: Any = None  # pending Sum allreduce of packed words
+    sums: Any = None  # unpacked lane sums, once waited for
+    remaining: int = 0
+    total: int = 0
+
+
+@dataclass
+class _Round:
+    """Mutable state of the round in progress (guarded by Engine._lock)."""
+
+    queued: list[Entry] = field(default_factory=list)
+    queued_bytes: int = 0
+    buckets: int = 0  # buckets flushed so far, names the next collective
+    outstanding: int = 0  # entries compressed but not yet decompressed
+    tensors: int = 0
+    uncompressed: int = 0
+    payload: int = 0
+    overhead: int = 0
+
+
+class Engine:
+    """One compressor's state for one framework.  Thread-safe: Horovod may call ``compress``
+    from autograd threads and ``decompress`` from the optimizer's thread."""
+
+    def __init__(self, backend: Backend, settings: core.Settings, process_set: Any,
+                 uid: int) -> None:
+        self.backend = backend
+        self.settings = settings
+        self.process_set = process_set
+        self.stats = Stats()
+        self._prefix = f"gqsgd.{uid}"  # same on every rank: compressors are built in order
+        self._round = _Round()
+        self._lock = threading.RLock()
+
+    # ----------------------------------------------------------------- compress / decompress
+
+    def compress(self, tensor: Any) -> tuple[Any, Entry | None]:
+        """Queue ``tensor``; return Horovod's probe and the ctx.  Non-float and empty tensors
+        are returned untouched with ``ctx=None`` so Horovod reduces them as usual."""
+        b = self.backend
+        if not b.is_compressible(tensor):
+            return tensor, None
+        rank, _, _ = b.world(self.process_set)
+        numel = b.numel(tensor)
+        entry = Entry(tensor=tensor, numel=numel, nbytes=numel * _itemsize(b.dtype_name(tensor)))
+        with self._lock:
+            r = self._round
+            r.queued.append(entry)
+            r.queued_bytes += entry.nbytes
+            r.outstanding += 1
+            r.tensors += 1
+            r.uncompressed += entry.nbytes
+            r.overhead += 16  # the float64 probe pair
+            if self.settings.bucket_bytes and r.queued_bytes >= self.settings.bucket_bytes:
+                try:
+                    self._flush()
+                except BaseException:
+                    self._round = _Round()  # as in decompress: all ranks fail here together
+                    raise
+        return b.probe(core.probe_values(rank), tensor), entry
+
+    def decompress(self, reduced_probe: Any, ctx: Entry | None) -> Any:
+        """Return the reduced gradient for ``ctx``; flushes the queue if it is still waiting."""
+        if ctx is None:
+            return reduced_probe
+        b = self.backend
+        with self._lock:
+            try:
+                if ctx.bucket is None:
+                    self._flush()
+                bucket = ctx.bucket
+                assert bucket is not None
+                if bucket.sums is None:
+                    words = b.wait(bucket.handle)
+                    bucket.sums = core.unpack(b, words, self.settings.bits, bucket.total)
+                    bucket.handle = None
+                factor = b.probe_factor(reduced_probe, bucket.world_size)
+                part = b.segment(bucket.sums, ctx.offset, ctx.tensor)
+                out = b.finish(part * (bucket.steps[ctx.index] * factor), ctx.tensor)
+            except BaseException:
+                # Every rank fails at the same point (same sizes, same probe), so start the
+                # next round clean on all of them rather than carry a broken queue.
+                self._round = _Round()
+                raise
+            self._release(bucket, ctx)
+        return out
+
+    # ----------------------------------------------------------------- internals
+
+    def _flush(self) -> None:
+        """COLLECTIVE: scale exchange and launch of the Sum allreduce for all queued tensors."""
+        r = self._round
+        if not r.queued:
+            return
+        b, s = self.backend, self.settings
+        rank, size, pset = b.world(self.process_set)
+        n_levels = core.levels(s.bits, size)  # re-read every flush: elastic jobs resize
+        entries, r.queued, r.queued_bytes = r.queued, [], 0
+        bucket = Bucket(entries=entries, rank=rank, world_size=size, n_levels=n_levels,
+                        remaining=len(entries))
+        offset = 0
+        for i, e in enumerate(entries):
+            e.bucket, e.index, e.offset = bucket, i, offset
+            offset += e.numel
+        bucket.total = offset
+        name = f"{self._prefix}.b{r.buckets}"
+        r.buckets += 1
+        tensors = [e.tensor for e in entries]
+        layout = core.layout_fingerprint([e.numel for e in entries],
+                                         [b.dtype_name(t) for t in tensors])
+        norms = b.local_norms(tensors, s.norm, [layout, -layout])
+        reduced = b.allreduce_max(norms, f"{name}.scale", pset)
+        scales = b.check_layout(reduced)
+        bucket.steps = core.step_sizes(b, scales, bucket.n_levels)
+        flat = b.flat_concat(tensors)
+        mult = b.repeat(core.multipliers(b, scales, bucket.n_levels),
+                        [e.numel for e in entries], flat)
+        codes = core.quantize(b, flat, mult, b.uniform(flat, rank), bucket.n_levels)
+        bucket.handle = b.allreduce_sum_async(core.pack(b, codes, s.bits), f"{name}.codes", pset)
+        r.payload += core.wire_bytes(offset, s.bits)
+        r.overhead += 8 * (len(entries) + 2)
+
+    def _release(self, bucket: Bucket, entry: Entry) -> None:
+        entry.tensor = None
+        bucket.remaining -= 1
+        if bucket.remaining == 0:
+            bucket.sums = None
+        r = self._round
+        r.outstanding -= 1
+        if r.outstanding == 0 and not r.queued:
+            st = self.stats
+            st.rounds += 1
+            st.tensors += r.tensors
+            st.last_uncompressed, st.last_payload, st.last_overhead = (
+                r.uncompressed, r.payload, r.overhead)
+            st.total_uncompressed += r.uncompressed
+            st.total_payload += r.payload
+            st.total_overhead += r.overhead
+            self._round = _Round()
+
+
+def _itemsize(dtype_name: str) -> int:
+    for bits in (64, 32, 16, 8):
+        if dtype_name.endswith(str(bits)):
+            return bits // 8
+    raise ValueError(f"cannot size dtype {dtype_name!r}")

@@ -1,0 +1,47 @@
+"""Launch a worker script under real Horovod (horovodrun --gloo, or mpirun) and load results."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+WORKERS = Path(__file__).parent / "workers"
+BIN = Path(sys.executable).parent
+TIMEOUT_S = int(os.environ.get("GQSGD_TEST_LAUNCH_TIMEOUT", "600"))
+
+
+def command(worker: str, controller: str, n: int, *args: str) -> list[str]:
+    script = [sys.executable, str(WORKERS / worker), *args]
+    if controller == "gloo":
+        return [str(BIN / "horovodrun"), "--gloo", "-np", str(n), "-H", f"localhost:{n}", *script]
+    if controller == "mpi":
+        return ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+                "-np", str(n), "-x", "PATH", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
+                "-x", "TF_CPP_MIN_LOG_LEVEL", *script]
+    raise ValueError(f"unknown controller {controller!r}: expected 'gloo' or 'mpi'")
+
+
+def run(worker: str, controller: str, n: int, *args: str,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+                "PYTHONPATH": str(Path(__file__).parent.parent), **(env or {})}
+    return subprocess.run(command(worker, controller, n, *args), env=full_env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def launch(worker: str, controller: str, n: int, out: Path) -> list[dict]:
+    """Run ``worker`` on ``n`` ranks; it must write ``rank{r}.pkl`` into ``out``."""
+    proc = run(worker, controller, n, str(out))
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{controller} job with {n} ranks failed (exit {proc.returncode}):\n"
+            f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    results = []
+    for r in range(n):
+        with open(out / f"rank{r}.pkl", "rb") as f:
+            results.append(pickle.load(f))
+    assert [r["size"] for r in results] == [n] * n
+    return results

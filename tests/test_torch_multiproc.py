@@ -1,0 +1,199 @@
+"""GlobalQSGD through real Horovod collectives (PyTorch), 2 and 3 ranks, Gloo and MPI.
+
+Each configuration launches tests/workers/torch_checks.py once; every test below compares what
+the ranks recorded with a single-process NumPy simulation of the same allreduce.  Integer sums
+must match exactly; only final floats get a tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from inputs import GRID_CASES, GRID_EXPONENT, grid_input, random_input, training_data
+from launch import launch
+
+from hvd_gqsgd import core
+
+pytestmark = pytest.mark.multiproc
+
+CONFIGS = [("gloo", 2), ("mpi", 2), ("gloo", 3), ("mpi", 3)]
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=[f"{c}-np{n}" for c, n in CONFIGS])
+def ranks(request, tmp_path_factory):
+    """Per-rank result dicts of one real Horovod job."""
+    controller, n = request.param
+    out = tmp_path_factory.mktemp(f"torch-{controller}-{n}")
+    return launch("torch_checks.py", controller, n, out)
+
+
+def _all_equal(values):
+    first = values[0]
+    for v in values[1:]:
+        np.testing.assert_array_equal(v, first)  # bit-identical, NaN == NaN
+    return first
+
+
+def _step(xs, bits, norm="max"):
+    """Simulated global scale s / L for the inputs of all ranks."""
+    n = len(xs)
+    if norm == "max":
+        s = max(float(np.max(np.abs(x))) for x in xs)
+    else:
+        s = max(float(np.linalg.norm(np.asarray(x, dtype=np.float64))) for x in xs)
+    return s / core.levels(bits, n)
+
+
+def test_packed_words_sum_exactly_at_the_extremes(ranks):
+    n = len(ranks)
+    keys = ranks[0]["packed_extremes"].keys()
+    assert len(keys) >= 3 * 13  # bits 4..16 at least, three patterns each
+    for bits, pattern in keys:
+        level = core.levels(bits, n)
+        codes = [{"all_max": np.full(37, level), "all_min": np.full(37, -level),
+                  "random": np.random.default_rng([bits, r]).integers(-level, level + 1, 37)
+                  }[pattern] for r in range(n)]
+        expected = np.sum(codes, axis=0)
+        got = _all_equal([r["packed_extremes"][(bits, pattern)] for r in ranks])
+        np.testing.assert_array_equal(got, expected, err_msg=f"bits={bits} {pattern}")
+
+
+@pytest.mark.parametrize("case", GRID_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_grid_inputs_sum_exactly(ranks, case):
+    bits, dtype, op = case
+    n = len(ranks)
+    exact = np.sum([grid_input(r, n, bits) for r in range(n)], axis=0)
+    got_dtype, got = _all_equal([r["grid_exact"][case][0] for r in ranks]), _all_equal(
+        [r["grid_exact"][case][1] for r in ranks])
+    assert got_dtype == f"torch.{dtype}"
+    if op == "sum":
+        # integer codes summed and scaled by a power of two: exact in every dtype
+        np.testing.assert_array_equal(got, exact)
+    else:
+        assert np.all(np.round(got * n / 2.0 ** GRID_EXPONENT) == exact / 2.0 ** GRID_EXPONENT)
+        rtol = {"float64": 1e-15, "float32": 1e-7, "float16": 1e-3, "bfloat16": 8e-3}[dtype]
+        np.testing.assert_allclose(got, exact / n, rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize("norm", ["max", "l2"])
+@pytest.mark.parametrize("op", ["sum", "average"])
+def test_random_inputs_within_one_step_per_rank(ranks, norm, op):
+    n = len(ranks)
+    xs = [random_input(r, 1000).astype(np.float32) for r in range(n)]
+    got = _all_equal([r["random_bounds"][(norm, op)][0] for r in ranks])
+    divisor = n if op == "average" else 1
+    bound = n * _step(xs, 8, norm) / divisor
+    err = np.abs(got - np.sum(xs, axis=0, dtype=np.float64) / divisor)
+    assert err.max() <= bound * (1 + 1e-5)
+    assert err.max() > 0  # it really was quantized
+    stats = ranks[0]["random_bounds"][(norm, op)][1]
+    assert stats["last_uncompressed"] == 4000
+    assert stats["last_payload"] == core.wire_bytes(1000, 8) == 1000
+    assert 3.5 < stats["last_ratio"] <= 4
+
+
+def test_mean_of_many_rounds_is_unbiased(ranks):
+    n = len(ranks)
+    res = ranks[0]["unbiased"]
+    xs = [random_input(r, 256).astype(np.float32) for r in range(n)]
+    # each rank's rounding has variance <= step**2 / 4, so the sum's is <= n * step**2 / 4
+    se = math.sqrt(n / 4) * _step(xs, 4) / math.sqrt(res["trials"])
+    err = np.abs(res["mean"] - np.sum(xs, axis=0, dtype=np.float64))
+    assert err.max() <= 5 * se, f"max error {err.max()} vs 5 SE {5 * se}"
+
+
+def test_rounding_noise_is_independent_across_identically_seeded_ranks(ranks):
+    n = len(ranks)
+    level = core.levels(8, n)
+    for r in ranks:
+        assert r["independent_noise"]["global_rng_untouched"]
+    got = _all_equal([r["independent_noise"]["sum"] for r in ranks])[1:]
+    exact = n * np.float64(np.float32(0.5 / level))
+    err_in_steps = (got - exact) * level  # each rank contributes -1/2 or +1/2
+    var = err_in_steps.var()
+    # independent: n/4; fully correlated (shared RNG stream): n**2/4
+    assert 0.85 * n / 4 < var < 1.15 * n / 4, f"variance {var}, independent {n / 4}"
+
+
+def test_seed_reproduces_and_differs_by_seed(ranks):
+    for r in ranks:
+        np.testing.assert_array_equal(r["seeded"]["a"], r["seeded"]["b"])
+        assert not np.array_equal(r["seeded"]["a"], r["seeded"]["c"])
+
+
+def test_bad_inputs(ranks):
+    n = len(ranks)
+    res = [r["bad_inputs"] for r in ranks]
+    np.testing.assert_array_equal(_all_equal([r["int32"] for r in res]),
+                                  np.arange(10) * n * (n + 1) // 2)
+    for dtype in ("float16", "bfloat16", "float64"):
+        assert {r[dtype][0] for r in res} == {f"torch.{dtype}"}
+        got = _all_equal([r[dtype][1] for r in res])
+        xs = [random_input(r, 64) for r in range(n)]
+        rounding = {"float16": 2e-3, "bfloat16": 1e-2, "float64": 0}[dtype]
+        bound = n * _step(xs, 8) * (1 + 1e-3) + rounding * np.abs(np.sum(xs, axis=0)) + 1e-6
+        assert np.all(np.abs(got - np.sum(xs, axis=0)) <= bound), dtype
+    zeros = _all_equal([r["zeros"] for r in res])
+    assert np.all(zeros == 0) and not np.any(np.isnan(zeros))
+    assert {r["empty"] for r in res} == {(0, 3)}
+    shape, value = res[0]["zero_d"]
+    assert shape == () and abs(value - n * (n + 1) / 2) <= n * n / core.levels(8, n)
+    base_sum = np.sum([r["noncontig"][0] for r in res], axis=0).T
+    got = _all_equal([r["noncontig"][1] for r in res])
+    assert got.shape == base_sum.shape
+    step = max(np.abs(r["noncontig"][0]).max() for r in res) / core.levels(8, n)
+    assert np.abs(got - base_sum).max() <= n * step * (1 + 1e-5)
+    for bad in ("nan", "inf"):
+        got = _all_equal([r[bad] for r in res])
+        assert np.all(np.isnan(got)), bad
+
+
+def test_unsupported_ops_and_too_few_bits_raise(ranks):
+    n = len(ranks)
+    for r in ranks:
+        for op in ("Min", "Max"):
+            assert r["errors"][op].startswith("ValueError"), r["errors"][op]
+            assert "op=Sum or op=Average" in r["errors"][op]
+        assert r["errors"]["Adasum"] != "no error"
+        assert r["errors"]["bits2"].startswith("ValueError")
+        assert f"bits >= {core.min_bits(n)}" in r["errors"]["bits2"]
+
+
+@pytest.mark.parametrize("config", ["average", "sum", "predivide", "groups", "bpps2"])
+def test_distributed_optimizer_reduces_like_uncompressed(ranks, config):
+    n = len(ranks)
+    per_rank = [r["optimizer_grads"][config] for r in ranks]
+    n_params = len(per_rank[0]["local"])
+    for j in range(n_params):
+        local = [p["local"][j] for p in per_rank]
+        got = _all_equal([p["reduced"][j] for p in per_rank])
+        divisor = 1 if config == "sum" else n
+        expected = np.sum(local, axis=0) / divisor
+        bound = n * _step(local, 8) / divisor * (1 + 1e-5) + 1e-12
+        assert np.abs(got - expected).max() <= bound, (config, j)
+
+
+def test_training_matches_uncompressed(ranks):
+    res = [r["training"] for r in ranks]
+    _all_equal([r["gqsgd8"]["params"] for r in res])  # every rank applied identical updates
+    none, gq = res[0]["none"]["losses"], res[0]["gqsgd8"]["losses"]
+    assert none[-1] < 0.5 * none[0] and gq[-1] < 0.5 * gq[0]
+    # stated tolerance: final loss within 5% of uncompressed training
+    assert abs(gq[-1] - none[-1]) <= 0.05 * none[-1], (gq[-1], none[-1])
+
+
+def test_process_set(ranks):
+    n = len(ranks)
+    members = list(range(0, n, 2))
+    expected = np.sum([grid_input(r, len(members), 8) for r in members], axis=0)
+    for rank, r in enumerate(ranks):
+        assert r["process_set"]["member"] == (rank in members)
+        if rank in members:
+            np.testing.assert_array_equal(r["process_set"]["sum"], expected)
+
+
+def test_training_data_differs_per_rank():
+    # guards the optimizer tests against a degenerate setup where all ranks agree anyway
+    assert not np.array_equal(training_data(0, 4)[0], training_data(1, 4)[0])

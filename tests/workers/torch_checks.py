@@ -1,0 +1,228 @@
+"""Runs on every rank under horovodrun/mpirun; records what real Horovod collectives returned.
+
+Each scenario stores its results under a key in ``rank{r}.pkl``; tests/test_torch_multiproc.py
+loads all ranks' files and compares them with a single-process simulation.  Inputs come from
+``tests/inputs.py`` so the test can regenerate them.  No checking happens here.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import horovod.torch as hvd  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from inputs import (  # noqa: E402
+    GRID_CASES,
+    grid_input,
+    random_input,
+    training_data,
+)
+
+from hvd_gqsgd import GlobalQSGD, core  # noqa: E402
+from hvd_gqsgd.torch import TorchBackend  # noqa: E402
+
+OPS = {"sum": hvd.Sum, "average": hvd.Average}
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float64).numpy() if t.is_floating_point() else t.numpy()
+
+
+def packed_extremes(rank: int, n: int) -> dict:
+    """Pack codes with the torch adapter, sum words with Horovod, unpack."""
+    backend, out = TorchBackend(seed=0), {}
+    for bits in range(core.MIN_BITS, core.MAX_BITS + 1):
+        if core.min_bits(n) > bits:
+            continue
+        level = core.levels(bits, n)
+        for pattern in ("all_max", "all_min", "random"):
+            codes = {"all_max": np.full(37, level), "all_min": np.full(37, -level),
+                     "random": np.random.default_rng([bits, rank]).integers(-level, level + 1, 37)
+                     }[pattern]
+            words = core.pack(backend, torch.tensor(codes, dtype=torch.int64), bits)
+            summed = hvd.allreduce(words, op=hvd.Sum, name=f"pk.{bits}.{pattern}")
+            out[(bits, pattern)] = core.unpack(backend, summed, bits, codes.size).numpy()
+    return out
+
+
+def grid_exact(rank: int, n: int) -> dict:
+    out = {}
+    for bits, dtype_name, op in GRID_CASES:
+        x = torch.tensor(grid_input(rank, n, bits), dtype=getattr(torch, dtype_name))
+        y = hvd.allreduce(x, op=OPS[op], compression=GlobalQSGD(bits=bits), name=None)
+        out[(bits, dtype_name, op)] = (str(y.dtype), _np(y))
+    return out
+
+
+def random_bounds(rank: int, n: int) -> dict:
+    out = {}
+    for norm in ("max", "l2"):
+        for op in ("sum", "average"):
+            comp = GlobalQSGD(bits=8, norm=norm)
+            x = torch.tensor(random_input(rank, 1000), dtype=torch.float32)
+            y = hvd.allreduce(x, op=OPS[op], compression=comp)
+            out[(norm, op)] = (_np(y), comp.stats.as_dict())
+    return out
+
+
+def unbiased(rank: int, n: int, trials: int = 300) -> dict:
+    comp = GlobalQSGD(bits=4)  # few levels: rounding noise dominates
+    x = torch.tensor(random_input(rank, 256), dtype=torch.float32)
+    acc = torch.zeros(256, dtype=torch.float64)
+    for _ in range(trials):
+        acc += hvd.allreduce(x, op=hvd.Sum, compression=comp).double()
+    return {"mean": (acc / trials).numpy(), "trials": trials}
+
+
+def independent_noise(rank: int, n: int) -> dict:
+    """Every rank seeds torch identically and holds the same x, halfway between two levels."""
+    torch.manual_seed(1234)
+    level = core.levels(8, n)
+    x = torch.full((8192,), 0.5 / level, dtype=torch.float32)
+    x[0] = 1.0  # the global scale s = 1
+    state = torch.get_rng_state()
+    y = hvd.allreduce(x, op=hvd.Sum, compression=GlobalQSGD(bits=8))
+    untouched = torch.equal(state, torch.get_rng_state())
+    return {"sum": _np(y), "global_rng_untouched": untouched}
+
+
+def seeded(rank: int, n: int) -> dict:
+    x = torch.tensor(random_input(rank, 500), dtype=torch.float32)
+    a = hvd.allreduce(x, op=hvd.Sum, compression=GlobalQSGD(bits=4, seed=99))
+    b = hvd.allreduce(x, op=hvd.Sum, compression=GlobalQSGD(bits=4, seed=99))
+    c = hvd.allreduce(x, op=hvd.Sum, compression=GlobalQSGD(bits=4, seed=100))
+    return {"a": _np(a), "b": _np(b), "c": _np(c)}
+
+
+def bad_inputs(rank: int, n: int) -> dict:
+    comp, out = GlobalQSGD(bits=8), {}
+    ints = torch.arange(10, dtype=torch.int32) * (rank + 1)
+    out["int32"] = _np(hvd.allreduce(ints, op=hvd.Sum, compression=comp))
+    for dtype in ("float16", "bfloat16", "float64"):
+        x = torch.tensor(random_input(rank, 64), dtype=getattr(torch, dtype))
+        y = hvd.allreduce(x, op=hvd.Sum, compression=comp)
+        out[dtype] = (str(y.dtype), _np(y))
+    out["zeros"] = _np(hvd.allreduce(torch.zeros(33), op=hvd.Average, compression=comp))
+    out["empty"] = tuple(hvd.allreduce(torch.zeros(0, 3), op=hvd.Sum, compression=comp).shape)
+    zero_d = hvd.allreduce(torch.tensor(float(rank + 1)), op=hvd.Sum, compression=comp)
+    out["zero_d"] = (tuple(zero_d.shape), float(zero_d))
+    base = torch.tensor(random_input(rank, 60), dtype=torch.float32).view(6, 10)
+    out["noncontig"] = (_np(base), _np(hvd.allreduce(base.t(), op=hvd.Sum, compression=comp)))
+    for bad in ("nan", "inf"):
+        x = torch.ones(20)
+        if rank == n - 1:
+            x[3] = float(bad)
+        out[bad] = _np(hvd.allreduce(x, op=hvd.Average, compression=comp))
+    return out
+
+
+def errors(rank: int, n: int) -> dict:
+    out = {}
+    for op_name in ("Min", "Max", "Adasum"):
+        try:
+            hvd.allreduce(torch.ones(8) * (rank + 1), op=getattr(hvd, op_name),
+                          compression=GlobalQSGD(bits=8))
+            out[op_name] = "no error"
+        except ValueError as e:
+            out[op_name] = f"ValueError: {e}"
+        except Exception as e:  # recorded, and the test fails on anything but ValueError
+            out[op_name] = f"{type(e).__name__}: {e}"
+    try:
+        hvd.allreduce(torch.ones(8), op=hvd.Sum, compression=GlobalQSGD(bits=2))
+        out["bits2"] = "no error"
+    except ValueError as e:
+        out["bits2"] = f"ValueError: {e}"
+    return out
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def optimizer_grads(rank: int, n: int) -> dict:
+    """One synchronize() per configuration: local grads in, reduced grads out."""
+    x, y = (torch.tensor(a, dtype=torch.float32) for a in training_data(rank, 64))
+    configs = {
+        "average": {},
+        "sum": {"op": hvd.Sum},
+        "predivide": {"gradient_predivide_factor": 2.0},
+        "groups": {"groups": 2},
+        "bpps2": {"backward_passes_per_step": 2},
+    }
+    out = {}
+    for name, kwargs in configs.items():
+        model = _model()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+            compression=GlobalQSGD(bits=8), **kwargs)
+        passes = kwargs.get("backward_passes_per_step", 1)
+        local = None
+        for p in range(passes):
+            loss = torch.nn.functional.mse_loss(model(x[p::passes]), y[p::passes])
+            loss.backward()
+        local = [_np(p.grad.clone()) for p in model.parameters()]
+        opt.synchronize()
+        out[name] = {"local": local, "reduced": [_np(p.grad) for p in model.parameters()]}
+        opt.zero_grad()
+    return out
+
+
+def training(rank: int, n: int, steps: int = 150) -> dict:
+    x, y = (torch.tensor(a, dtype=torch.float32) for a in training_data(rank, 256))
+    out = {}
+    for name, comp in (("none", hvd.Compression.none), ("gqsgd8", GlobalQSGD(bits=8))):
+        model = _model()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                       named_parameters=model.named_parameters(), compression=comp)
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(float(hvd.allreduce(loss.detach(), name="loss")))
+        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        out[name] = {"losses": losses, "params": _np(params)}
+    return out
+
+
+def process_set(rank: int, n: int, members: list[int]) -> dict:
+    if rank not in members:
+        return {"member": False}
+    ps = PROCESS_SETS[0]
+    x = torch.tensor(grid_input(rank, len(members), 8), dtype=torch.float32)
+    y = hvd.allreduce(x, op=hvd.Sum, process_set=ps, compression=GlobalQSGD(bits=8, process_set=ps))
+    return {"member": True, "sum": _np(y)}
+
+
+SCENARIOS = [packed_extremes, grid_exact, random_bounds, unbiased, independent_noise, seeded,
+             bad_inputs, errors, optimizer_grads, training]
+PROCESS_SETS: list = []
+
+
+def main() -> None:
+    out_dir = sys.argv[1]
+    world = int(os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("HOROVOD_SIZE") or 1)
+    members = list(range(0, world, 2))  # a proper subset: [0] at 2 ranks, [0, 2] at 3
+    PROCESS_SETS.append(hvd.ProcessSet(members))
+    hvd.init(process_sets=PROCESS_SETS)
+    rank, n = hvd.rank(), hvd.size()
+    results = {"size": n}
+    for scenario in SCENARIOS:
+        results[scenario.__name__] = scenario(rank, n)
+    results["process_set"] = process_set(rank, n, members)
+    hvd.barrier()  # non-members must not shut down while the set is still reducing
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(results, f)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
