@@ -2,6 +2,12 @@
 # Horovod 0.28.1 into it when needed (scripts/setup_env.sh; the wheel is cached in
 # ~/.cache/hvd_gqsgd so only the first run on a machine pays the ~5 minute build).
 
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+# TensorFlow's C++ logger ignores TF_CPP_MIN_LOG_LEVEL for its first lines (horovodrun itself
+# imports TF); drop them from the demo's output.
+TF_NOISE := grep -v -e '^I0000 ' -e 'absl::InitializeLog' -e 'cuda drivers'
+
 VENV ?= .venv
 PY := $(VENV)/bin/python
 NP ?= 2
@@ -18,7 +24,8 @@ test: setup
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
 demo: setup
-	$(VENV)/bin/horovodrun --gloo -np $(NP) -H localhost:$(NP) $(PY) examples/torch_digits.py
+	$(VENV)/bin/horovodrun --gloo -np $(NP) -H localhost:$(NP) $(PY) examples/torch_digits.py \
+		2>&1 | $(TF_NOISE)
 
 lint: setup
 	$(VENV)/bin/ruff check hvd_gqsgd tests examples

@@ -32,8 +32,9 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 __all__ = [
     "MIN_BITS",
@@ -222,7 +223,7 @@ def unpack(ops: TensorOps, words: Any, bits: int, numel: int) -> Any:
 
 
 def _numel_of(x: Any) -> int:
-    shape = getattr(x, "shape")
+    shape = x.shape
     return int(math.prod(int(d) for d in shape))
 
 

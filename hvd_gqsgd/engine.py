@@ -21,8 +21,9 @@ Life of a round (all ranks must make the same calls in the same order)::
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 from . import core
 

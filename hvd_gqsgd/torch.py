@@ -9,7 +9,8 @@ tensor arrives.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import horovod.torch as hvd
 import torch
@@ -80,6 +81,7 @@ class TorchBackend:
         return core.check_probe(reduced.tolist(), world_size)
 
     def local_norms(self, tensors: Sequence[Any], norm: str, extra: Sequence[float]) -> Any:
+        norms: Sequence[torch.Tensor]
         if norm == "max":
             norms = torch._foreach_norm(list(tensors), float("inf"))
         else:  # fp64: a finite fp16/fp32 gradient must not overflow its own L2 norm

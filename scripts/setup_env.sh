@@ -19,6 +19,8 @@ CACHE_DIR=${HVD_GQSGD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_gqsgd}
 EXTRAS=${EXTRAS:-dev}
 
 log() { printf '[setup] %s\n' "$*" >&2; }
+# pip warns once per package about this machine's file:// index mirrors; keep real errors.
+pip_quiet() { "$PY" -m pip "$@" 2> >(grep -v "^WARNING: Location '" >&2); }
 
 ensure_mpi() {
   if command -v mpirun >/dev/null 2>&1 && command -v mpicxx >/dev/null 2>&1; then
@@ -43,7 +45,7 @@ ensure_venv() {
   # Frameworks first: Horovod's build links against whatever torch and TF are installed.
   if ! "$PY" -c "import torch, tensorflow" >/dev/null 2>&1; then
     log "installing torch $TORCH_VERSION and tensorflow-cpu $TF_VERSION"
-    "$PY" -m pip install -q "torch==$TORCH_VERSION" "tensorflow-cpu==$TF_VERSION" \
+    pip_quiet install -q "torch==$TORCH_VERSION" "tensorflow-cpu==$TF_VERSION" \
       "tf_keras==$TF_VERSION" setuptools wheel "cmake>=3.13,<4" packaging
   fi
 }
@@ -74,7 +76,7 @@ build_horovod() {
   src=$(mktemp -d)
   trap 'rm -rf "$src"' RETURN
   log "building Horovod $HOROVOD_VERSION from sdist (takes ~5 min on 2 cores)"
-  "$PY" -m pip download -q --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$src"
+  pip_quiet download -q --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$src"
   tar -xzf "$src/horovod-$HOROVOD_VERSION.tar.gz" -C "$src"
   local dir="$src/horovod-$HOROVOD_VERSION"
   # torch >= 2.1 and TF >= 2.16 headers need C++17.
@@ -89,7 +91,7 @@ build_horovod() {
       HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=${HOROVOD_CPU_OPERATIONS:-MPI} \
       CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS="-j$(nproc)"
     export PATH="$VENV/bin:$PATH"
-    "$PY" -m pip wheel -q --no-build-isolation --no-deps . -w "$src/wheel"
+    pip_quiet wheel -q --no-build-isolation --no-deps . -w "$src/wheel"
   )
   mkdir -p "$(dirname "$out")"
   cp "$src"/wheel/horovod-*.whl "$out.tmp" && mv "$out.tmp" "$out"
@@ -107,15 +109,19 @@ ensure_horovod() {
   else
     build_horovod "$whl"
   fi
-  "$PY" -m pip install -q --force-reinstall --no-deps "$whl"
-  "$PY" -m pip install -q cloudpickle psutil pyyaml packaging "cffi>=1.4.0"
+  pip_quiet install -q --force-reinstall --no-deps "$whl"
+  pip_quiet install -q cloudpickle psutil pyyaml packaging "cffi>=1.4.0"
   horovod_ok || { log "Horovod installed but its extensions do not import"; exit 1; }
 }
 
 ensure_project() {
-  if ! "$PY" -c "import hvd_gqsgd, pytest, hypothesis, sklearn" >/dev/null 2>&1; then
+  # Reinstall when pyproject.toml changes (new extras), not on every run.
+  local stamp="$VENV/.hvd_gqsgd-$EXTRAS-$(sha256sum pyproject.toml | cut -c1-16)"
+  if [ ! -f "$stamp" ]; then
     log "installing hvd_gqsgd[$EXTRAS] (editable)"
-    "$PY" -m pip install -q -e ".[$EXTRAS]"
+    pip_quiet install -q -e ".[$EXTRAS]"
+    rm -f "$VENV"/.hvd_gqsgd-*
+    touch "$stamp"
   fi
 }
 
