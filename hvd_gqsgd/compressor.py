@@ -134,3 +134,11 @@ class GlobalQSGD:
             engine = self._engines.setdefault(
                 framework, Engine(backend, self.settings, self.process_set, self._uid))
         return engine
+
+
+# TensorFlow's AutoGraph would otherwise try to rewrite these (and the lazy adapter import
+# inside) when Horovod calls them in a tf.function; they have no tensor-dependent Python
+# control flow, so they must run as written.  This is the attribute that
+# tf.autograph.experimental.do_not_convert sets, written here without importing TensorFlow.
+for _hook in (GlobalQSGD.compress, GlobalQSGD.decompress):
+    setattr(_hook, "autograph_info__", frozenset())  # noqa: B010

@@ -14,8 +14,8 @@ Life of a round (all ranks must make the same calls in the same order)::
                                           3. COLLECTIVE  async Sum allreduce of the int64 words
                                         then wait, unpack once per bucket, rescale tensor 1
     decompress(probe_k, ctx_k)          rescale from the already-unpacked bucket
-    (all results taken -> the round ends; collective names restart, so Horovod's response
-     cache sees the same names every step)
+    (all results taken -> the round ends; in eager mode collective names restart, so
+     Horovod's response cache sees the same names every step)
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ class Backend(core.TensorOps, Protocol):
     def allreduce_sum_async(self, words: Any, name: str, process_set: Any) -> Any: ...  # COLL.
     def wait(self, handle: Any) -> Any: ...
     def segment(self, sums: Any, offset: int, like: Any) -> Any: ...  # as like's compute dtype
-    def finish(self, values: Any, like: Any) -> Any: ...  # to like's dtype and shape
+    def finish(self, values: Any, scale: Any, like: Any) -> Any: ...  # values*scale, like's
+    def stable_names(self) -> bool: ...  # True when names may repeat every round (eager)
 
 
 @dataclass
@@ -115,7 +116,6 @@ class _Round:
 
     queued: list[Entry] = field(default_factory=list)
     queued_bytes: int = 0
-    buckets: int = 0  # buckets flushed so far, names the next collective
     outstanding: int = 0  # entries compressed but not yet decompressed
     tensors: int = 0
     uncompressed: int = 0
@@ -135,6 +135,7 @@ class Engine:
         self.stats = Stats()
         self._prefix = f"gqsgd.{uid}"  # same on every rank: compressors are built in order
         self._round = _Round()
+        self._serial = 0  # names the next bucket's collectives
         self._lock = threading.RLock()
 
     # ----------------------------------------------------------------- compress / decompress
@@ -181,7 +182,7 @@ class Engine:
                     bucket.handle = None
                 factor = b.probe_factor(reduced_probe, bucket.world_size)
                 part = b.segment(bucket.sums, ctx.offset, ctx.tensor)
-                out = b.finish(part * (bucket.steps[ctx.index] * factor), ctx.tensor)
+                out = b.finish(part, bucket.steps[ctx.index] * factor, ctx.tensor)
             except BaseException:
                 # Every rank fails at the same point (same sizes, same probe), so start the
                 # next round clean on all of them rather than carry a broken queue.
@@ -208,8 +209,8 @@ class Engine:
             e.bucket, e.index, e.offset = bucket, i, offset
             offset += e.numel
         bucket.total = offset
-        name = f"{self._prefix}.b{r.buckets}"
-        r.buckets += 1
+        name = f"{self._prefix}.b{self._serial}"
+        self._serial += 1
         tensors = [e.tensor for e in entries]
         layout = core.layout_fingerprint([e.numel for e in entries],
                                          [b.dtype_name(t) for t in tensors])
@@ -242,6 +243,10 @@ class Engine:
             st.total_payload += r.payload
             st.total_overhead += r.overhead
             self._round = _Round()
+            if self.backend.stable_names():
+                # Eager: restart names so Horovod's response cache sees the same ones each
+                # step.  While tracing a graph, names must stay unique within the process.
+                self._serial = 0
 
 
 def _itemsize(dtype_name: str) -> int:

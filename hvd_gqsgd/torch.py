@@ -122,8 +122,11 @@ class TorchBackend:
         compute = torch.float64 if like.dtype == torch.float64 else torch.float32
         return sums[offset:offset + like.numel()].to(compute)
 
-    def finish(self, values: Any, like: Any) -> Any:
-        return values.to(like.dtype).view(like.shape)
+    def finish(self, values: Any, scale: Any, like: Any) -> Any:
+        return (values * scale).to(like.dtype).view(like.shape)
+
+    def stable_names(self) -> bool:
+        return True
 
     # --- Horovod
     def world(self, process_set: Any) -> tuple[int, int, Any]:

@@ -20,21 +20,23 @@ def command(worker: str, controller: str, n: int, *args: str) -> list[str]:
     if controller == "mpi":
         return ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
                 "-np", str(n), "-x", "PATH", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
-                "-x", "TF_CPP_MIN_LOG_LEVEL", *script]
+                "-x", "TF_CPP_MIN_LOG_LEVEL", "-x", "TF_USE_LEGACY_KERAS", *script]
     raise ValueError(f"unknown controller {controller!r}: expected 'gloo' or 'mpi'")
 
 
 def run(worker: str, controller: str, n: int, *args: str,
         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+                "TF_USE_LEGACY_KERAS": "0",
                 "PYTHONPATH": str(Path(__file__).parent.parent), **(env or {})}
     return subprocess.run(command(worker, controller, n, *args), env=full_env,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
-def launch(worker: str, controller: str, n: int, out: Path) -> list[dict]:
+def launch(worker: str, controller: str, n: int, out: Path,
+           env: dict[str, str] | None = None) -> list[dict]:
     """Run ``worker`` on ``n`` ranks; it must write ``rank{r}.pkl`` into ``out``."""
-    proc = run(worker, controller, n, str(out))
+    proc = run(worker, controller, n, str(out), env=env)
     if proc.returncode != 0:
         raise AssertionError(
             f"{controller} job with {n} ranks failed (exit {proc.returncode}):\n"

@@ -1,6 +1,6 @@
 """Runs on every rank under horovodrun/mpirun; records what real Horovod collectives returned.
 
-Each scenario stores its results under a key in ``rank{r}.pkl``; tests/test_torch_multiproc.py
+Each scenario stores its results under a key in ``rank{r}.pkl``; tests/test_multiproc.py
 loads all ranks' files and compares them with a single-process simulation.  Inputs come from
 ``tests/inputs.py`` so the test can regenerate them.  No checking happens here.
 """
@@ -33,6 +33,10 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float64).numpy() if t.is_floating_point() else t.numpy()
 
 
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
 def packed_extremes(rank: int, n: int) -> dict:
     """Pack codes with the torch adapter, sum words with Horovod, unpack."""
     backend, out = TorchBackend(seed=0), {}
@@ -55,7 +59,7 @@ def grid_exact(rank: int, n: int) -> dict:
     for bits, dtype_name, op in GRID_CASES:
         x = torch.tensor(grid_input(rank, n, bits), dtype=getattr(torch, dtype_name))
         y = hvd.allreduce(x, op=OPS[op], compression=GlobalQSGD(bits=bits), name=None)
-        out[(bits, dtype_name, op)] = (str(y.dtype), _np(y))
+        out[(bits, dtype_name, op)] = (_dtype_name(y), _np(y))
     return out
 
 
@@ -106,7 +110,7 @@ def bad_inputs(rank: int, n: int) -> dict:
     for dtype in ("float16", "bfloat16", "float64"):
         x = torch.tensor(random_input(rank, 64), dtype=getattr(torch, dtype))
         y = hvd.allreduce(x, op=hvd.Sum, compression=comp)
-        out[dtype] = (str(y.dtype), _np(y))
+        out[dtype] = (_dtype_name(y), _np(y))
     out["zeros"] = _np(hvd.allreduce(torch.zeros(33), op=hvd.Average, compression=comp))
     out["empty"] = tuple(hvd.allreduce(torch.zeros(0, 3), op=hvd.Sum, compression=comp).shape)
     zero_d = hvd.allreduce(torch.tensor(float(rank + 1)), op=hvd.Sum, compression=comp)
@@ -214,7 +218,7 @@ def main() -> None:
     PROCESS_SETS.append(hvd.ProcessSet(members))
     hvd.init(process_sets=PROCESS_SETS)
     rank, n = hvd.rank(), hvd.size()
-    results = {"size": n}
+    results = {"size": n, "framework": "torch"}
     for scenario in SCENARIOS:
         results[scenario.__name__] = scenario(rank, n)
     results["process_set"] = process_set(rank, n, members)
