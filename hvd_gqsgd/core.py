@@ -48,6 +48,8 @@ __all__ = [
     "lanes_per_word",
     "packed_words",
     "wire_bytes",
+    "PROBE_BYTES",
+    "scale_exchange_bytes",
     "rank_seed",
     "probe_values",
     "check_probe",
@@ -101,6 +103,14 @@ def packed_words(numel: int, bits: int) -> int:
 def wire_bytes(numel: int, bits: int) -> int:
     """Bytes of packed payload that ``numel`` codes put on the wire (per rank, per allreduce)."""
     return packed_words(numel, bits) * (WORD_BITS // 8)
+
+
+PROBE_BYTES = 16  # the float64 pair each tensor sends through Horovod's own allreduce
+
+
+def scale_exchange_bytes(n_tensors: int) -> int:
+    """Bytes of one batch's MAX allreduce: a float64 scale per tensor plus the layout pair."""
+    return 8 * (n_tensors + 2)
 
 
 def rank_seed(seed: int | None, rank: int) -> int:

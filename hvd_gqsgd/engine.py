@@ -156,7 +156,7 @@ class Engine:
             r.outstanding += 1
             r.tensors += 1
             r.uncompressed += entry.nbytes
-            r.overhead += 16  # the float64 probe pair
+            r.overhead += core.PROBE_BYTES
             if self.settings.bucket_bytes and r.queued_bytes >= self.settings.bucket_bytes:
                 try:
                     self._flush()
@@ -224,7 +224,7 @@ class Engine:
         codes = core.quantize(b, flat, mult, b.uniform(flat, rank), bucket.n_levels)
         bucket.handle = b.allreduce_sum_async(core.pack(b, codes, s.bits), f"{name}.codes", pset)
         r.payload += core.wire_bytes(offset, s.bits)
-        r.overhead += 8 * (len(entries) + 2)
+        r.overhead += core.scale_exchange_bytes(len(entries))
 
     def _release(self, bucket: Bucket, entry: Entry) -> None:
         entry.tensor = None

@@ -22,7 +22,20 @@ import tensorflow as tf
 from . import core
 from .compressor import GlobalQSGD
 
-__all__ = ["GlobalQSGD", "TensorFlowBackend"]
+__all__ = ["GlobalQSGD", "TensorFlowBackend", "tape_sources"]
+
+
+def tape_sources(variables: Sequence[Any]) -> list[Any]:
+    """The ``tf.Variable`` behind each Keras variable, for ``DistributedGradientTape``.
+
+    Horovod 0.28.1's tape calls ``.ref()`` on every source, which Keras 3 variables lack
+    (``'Variable' object has no attribute 'ref'``).  Their ``.value`` is the underlying
+    ``tf.Variable``; ``tf.Variable`` (plain TF, legacy Keras) is returned as is::
+
+        grads = tape.gradient(loss, tape_sources(model.trainable_variables))
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+    """
+    return [v if isinstance(v, tf.Variable) else v.value for v in variables]
 
 
 class TensorFlowBackend:

@@ -16,6 +16,7 @@ import tensorflow as tf  # noqa: E402
 from inputs import training_data  # noqa: E402
 
 from hvd_gqsgd import GlobalQSGD  # noqa: E402
+from hvd_gqsgd.tensorflow import tape_sources  # noqa: E402
 
 
 def _model():
@@ -49,7 +50,7 @@ def tape_loop(x, y) -> dict:
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean((model(x) - y) ** 2)
         tape = hvd_tf.DistributedGradientTape(tape, compression=comp)
-        grads = tape.gradient(loss, model.trainable_variables)
+        grads = tape.gradient(loss, tape_sources(model.trainable_variables))
         opt.apply_gradients(zip(grads, model.trainable_variables))
         return hvd_tf.allreduce(loss, name="loss")
 

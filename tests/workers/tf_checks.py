@@ -16,7 +16,7 @@ import tensorflow as tf  # noqa: E402
 from inputs import GRID_CASES, grid_input, random_input, training_data  # noqa: E402
 
 from hvd_gqsgd import GlobalQSGD, core  # noqa: E402
-from hvd_gqsgd.tensorflow import TensorFlowBackend  # noqa: E402
+from hvd_gqsgd.tensorflow import TensorFlowBackend, tape_sources  # noqa: E402
 
 OPS = {"sum": hvd.Sum, "average": hvd.Average}
 
@@ -166,9 +166,7 @@ def _model():
 
 
 def _sources(model):
-    # Keras 3 variables have no .ref(), which DistributedGradientTape needs; their .value is
-    # the tf.Variable underneath.
-    return [getattr(v, "value", v) for v in model.trainable_variables]
+    return tape_sources(model.trainable_variables)
 
 
 def optimizer_grads(rank: int, n: int) -> dict:
