@@ -196,6 +196,10 @@ def quantize(ops: TensorOps, x: Any, mult: Any, noise: Any, n_levels: int) -> An
     bites when ``|x| == s`` and ``x * (L/s)`` rounds a hair above ``L``.
     """
     y = ops.clamp(x * mult, -float(n_levels), float(n_levels))
+    # A NaN/Inf input has mult 0 (its global scale is inf) and x * 0 is NaN; its codes are
+    # discarded (the result is all-NaN), but NaN cast to int64 is undefined and could spill
+    # into neighbouring lanes of other tensors, so it becomes code 0 here.
+    y = ops.where(y == y, y, 0.0)
     low = ops.floor(y)
     up = ops.less(noise, y - low)
     return ops.to_int64(low) + ops.to_int64(up)

@@ -38,6 +38,7 @@ class Backend(core.TensorOps, Protocol):
     def is_compressible(self, t: Any) -> bool: ...
     def dtype_name(self, t: Any) -> str: ...
     def numel(self, t: Any) -> int: ...
+    def nbytes(self, t: Any) -> int: ...
     def world(self, process_set: Any) -> tuple[int, int, Any]: ...  # (rank, size, set)
     def probe(self, values: Sequence[float], like: Any) -> Any: ...
     def probe_factor(self, reduced: Any, world_size: int) -> Any: ...
@@ -148,7 +149,7 @@ class Engine:
             return tensor, None
         rank, _, _ = b.world(self.process_set)
         numel = b.numel(tensor)
-        entry = Entry(tensor=tensor, numel=numel, nbytes=numel * _itemsize(b.dtype_name(tensor)))
+        entry = Entry(tensor=tensor, numel=numel, nbytes=b.nbytes(tensor))
         with self._lock:
             r = self._round
             r.queued.append(entry)
@@ -198,9 +199,8 @@ class Engine:
         r = self._round
         if not r.queued:
             return
-        b, s = self.backend, self.settings
-        rank, size, pset = b.world(self.process_set)
-        n_levels = core.levels(s.bits, size)  # re-read every flush: elastic jobs resize
+        rank, size, pset = self.backend.world(self.process_set)
+        n_levels = core.levels(self.settings.bits, size)  # re-read every flush: elastic resizes
         entries, r.queued, r.queued_bytes = r.queued, [], 0
         bucket = Bucket(entries=entries, rank=rank, world_size=size, n_levels=n_levels,
                         remaining=len(entries))
@@ -211,20 +211,31 @@ class Engine:
         bucket.total = offset
         name = f"{self._prefix}.b{self._serial}"
         self._serial += 1
+        scales = self._exchange_scales(entries, f"{name}.scale", pset)
+        self._send_codes(bucket, scales, f"{name}.codes", pset)
+        r.payload += core.wire_bytes(offset, self.settings.bits)
+        r.overhead += core.scale_exchange_bytes(len(entries))
+
+    def _exchange_scales(self, entries: list[Entry], name: str, pset: Any) -> Any:
+        """COLLECTIVE: one MAX allreduce of every tensor's local norm plus the layout pair
+        ``(h, -h)``; ranks that queued different layouts get ``max(h) != -max(-h)``."""
+        b = self.backend
         tensors = [e.tensor for e in entries]
         layout = core.layout_fingerprint([e.numel for e in entries],
                                          [b.dtype_name(t) for t in tensors])
-        norms = b.local_norms(tensors, s.norm, [layout, -layout])
-        reduced = b.allreduce_max(norms, f"{name}.scale", pset)
-        scales = b.check_layout(reduced)
-        bucket.steps = core.step_sizes(b, scales, bucket.n_levels)
-        flat = b.flat_concat(tensors)
-        mult = b.repeat(core.multipliers(b, scales, bucket.n_levels),
-                        [e.numel for e in entries], flat)
-        codes = core.quantize(b, flat, mult, b.uniform(flat, rank), bucket.n_levels)
-        bucket.handle = b.allreduce_sum_async(core.pack(b, codes, s.bits), f"{name}.codes", pset)
-        r.payload += core.wire_bytes(offset, s.bits)
-        r.overhead += core.scale_exchange_bytes(len(entries))
+        norms = b.local_norms(tensors, self.settings.norm, [layout, -layout])
+        return b.check_layout(b.allreduce_max(norms, name, pset))
+
+    def _send_codes(self, bucket: Bucket, scales: Any, name: str, pset: Any) -> None:
+        """Quantize and pack the whole bucket at once; COLLECTIVE: launch the Sum allreduce."""
+        b, level = self.backend, bucket.n_levels
+        bucket.steps = core.step_sizes(b, scales, level)
+        flat = b.flat_concat([e.tensor for e in bucket.entries])
+        mult = b.repeat(core.multipliers(b, scales, level), [e.numel for e in bucket.entries],
+                        flat)
+        codes = core.quantize(b, flat, mult, b.uniform(flat, bucket.rank), level)
+        bucket.handle = b.allreduce_sum_async(core.pack(b, codes, self.settings.bits), name,
+                                              pset)
 
     def _release(self, bucket: Bucket, entry: Entry) -> None:
         entry.tensor = None
@@ -248,9 +259,3 @@ class Engine:
                 # step.  While tracing a graph, names must stay unique within the process.
                 self._serial = 0
 
-
-def _itemsize(dtype_name: str) -> int:
-    for bits in (64, 32, 16, 8):
-        if dtype_name.endswith(str(bits)):
-            return bits // 8
-    raise ValueError(f"cannot size dtype {dtype_name!r}")

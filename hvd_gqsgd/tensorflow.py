@@ -97,6 +97,9 @@ class TensorFlowBackend:
     def numel(self, t: Any) -> int:
         return _static_numel(t)
 
+    def nbytes(self, t: Any) -> int:
+        return _static_numel(t) * t.dtype.size
+
     def probe(self, values: Sequence[float], like: Any) -> Any:
         return tf.constant(values, dtype=tf.float64)
 

@@ -74,6 +74,9 @@ class TorchBackend:
     def numel(self, t: Any) -> int:
         return t.numel()
 
+    def nbytes(self, t: Any) -> int:
+        return t.numel() * t.element_size()
+
     def probe(self, values: Sequence[float], like: Any) -> Any:
         return torch.tensor(values, dtype=torch.float64, device=like.device)
 

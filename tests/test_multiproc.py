@@ -167,6 +167,11 @@ def test_bad_inputs(ranks):
     for bad in ("nan", "inf"):
         got = _all_equal([r[bad] for r in res])
         assert np.all(np.isnan(got)), bad
+    poisoned = _all_equal([r["nan_neighbour"][0] for r in res])
+    neighbour = _all_equal([r["nan_neighbour"][1] for r in res])
+    assert np.all(np.isnan(poisoned))
+    clean = [random_input(r, 30).astype(np.float32) for r in range(n)]
+    assert np.abs(neighbour - np.sum(clean, axis=0)).max() <= n * _step(clean, 8) * (1 + 1e-5)
 
 
 def test_unsupported_ops_and_too_few_bits_raise(ranks):

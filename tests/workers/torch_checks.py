@@ -122,6 +122,14 @@ def bad_inputs(rank: int, n: int) -> dict:
         if rank == n - 1:
             x[3] = float(bad)
         out[bad] = _np(hvd.allreduce(x, op=hvd.Average, compression=comp))
+    # a NaN in one tensor of a batch must not leak into the others packed beside it
+    x = np.ones(21, dtype=np.float32)
+    if rank == n - 1:
+        x[16] = np.nan  # lane 0 of the word shared with the next tensor
+    clean = random_input(rank, 30).astype(np.float32)
+    pair = hvd.grouped_allreduce([torch.tensor(x), torch.tensor(clean)], op=hvd.Sum,
+                                 compression=GlobalQSGD(bits=8))
+    out["nan_neighbour"] = (_np(pair[0]), _np(pair[1]))
     return out
 
 
