@@ -9,6 +9,7 @@
 # that enters the ABI, so later runs skip the ~5 minute build.  With no cache the same command
 # builds from the registry's sdist.
 set -euo pipefail
+BUILD_TMP=""
 
 VENV=$(realpath -m "${VENV:-.venv}")
 PYTHON=${PYTHON:-python3}
@@ -74,7 +75,8 @@ horovod_ok() {
 build_horovod() {
   local out=$1 src
   src=$(mktemp -d)
-  trap 'rm -rf "$src"' RETURN
+  BUILD_TMP=$src
+  trap 'rm -rf "$BUILD_TMP"' EXIT
   log "building Horovod $HOROVOD_VERSION from sdist (takes ~5 min on 2 cores)"
   pip_quiet download -q --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$src"
   tar -xzf "$src/horovod-$HOROVOD_VERSION.tar.gz" -C "$src"
