@@ -51,11 +51,13 @@ __all__ = [
     "PROBE_BYTES",
     "scale_exchange_bytes",
     "rank_seed",
+    "noise_key",
     "probe_values",
     "check_probe",
     "quantize",
     "pack",
     "unpack",
+    "encode",
     "multipliers",
     "step_sizes",
     "layout_fingerprint",
@@ -124,6 +126,12 @@ def rank_seed(seed: int | None, rank: int) -> int:
         return int.from_bytes(os.urandom(8), "little") >> 1
     digest = hashlib.blake2b(f"gqsgd:{seed}:{rank}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+def noise_key(base: int, serial: int) -> int:
+    """The 64-bit key of bucket ``serial`` in a rank's counter-based noise stream."""
+    digest = hashlib.blake2b(f"{base}:{serial}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 # --------------------------------------------------------------------------- settings
@@ -234,6 +242,11 @@ def unpack(ops: TensorOps, words: Any, bits: int, numel: int) -> Any:
         words = ops.rshift(words - lane, bits)  # exact: words - lane is a multiple of 2**bits
     cols.append(words)
     return ops.stack_columns(cols, numel)
+
+
+def encode(ops: TensorOps, flat: Any, mult: Any, noise: Any, n_levels: int, bits: int) -> Any:
+    """Generic path: :func:`quantize` then :func:`pack` (``mult`` per element)."""
+    return pack(ops, quantize(ops, flat, mult, noise, n_levels), bits)
 
 
 def _numel_of(x: Any) -> int:

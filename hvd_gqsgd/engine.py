@@ -42,16 +42,20 @@ class Backend(core.TensorOps, Protocol):
     def world(self, process_set: Any) -> tuple[int, int, Any]: ...  # (rank, size, set)
     def probe(self, values: Sequence[float], like: Any) -> Any: ...
     def probe_factor(self, reduced: Any, world_size: int) -> Any: ...
-    def local_norms(self, tensors: Sequence[Any], norm: str, extra: Sequence[float]) -> Any: ...
+    # per-tensor local norm (+inf if non-finite), then ``extra``, as one float64 vector
+    def local_norms(self, tensors: Sequence[Any], flat: Any, counts: Sequence[int], norm: str,
+                    extra: Sequence[float]) -> Any: ...
     def allreduce_max(self, vec: Any, name: str, process_set: Any) -> Any: ...  # COLLECTIVE
     def check_layout(self, reduced: Any) -> Any: ...
-    def repeat(self, per_tensor: Any, counts: Sequence[int], like: Any) -> Any: ...
     def flat_concat(self, tensors: Sequence[Any]) -> Any: ...
-    def uniform(self, like: Any, rank: int) -> Any: ...
+    # quantize + pack a bucket (mult: L/s per tensor); core.encode or a fused kernel
+    def encode(self, flat: Any, mult: Any, counts: Sequence[int], n_levels: int, bits: int,
+               rank: int) -> Any: ...
     def allreduce_sum_async(self, words: Any, name: str, process_set: Any) -> Any: ...  # COLL.
     def wait(self, handle: Any) -> Any: ...
-    def segment(self, sums: Any, offset: int, like: Any) -> Any: ...  # as like's compute dtype
-    def finish(self, values: Any, scale: Any, like: Any) -> Any: ...  # values*scale, like's
+    def decoder(self, words: Any, bits: int, total: int) -> Any: ...  # once per bucket
+    # one tensor: lane sums at [offset, offset + numel) times scale, in like's dtype and shape
+    def decode(self, state: Any, offset: int, like: Any, scale: Any) -> Any: ...
     def stable_names(self) -> bool: ...  # True when names may repeat every round (eager)
 
 
@@ -106,7 +110,7 @@ class Bucket:
     n_levels: int
     steps: Any = None  # value of one summed code per entry (s / L), float64 on the device
     handle: Any = None  # pending Sum allreduce of packed words
-    sums: Any = None  # unpacked lane sums, once waited for
+    decoded: Any = None  # Backend.decoder() state, once the Sum allreduce is waited for
     remaining: int = 0
     total: int = 0
 
@@ -177,13 +181,13 @@ class Engine:
                     self._flush()
                 bucket = ctx.bucket
                 assert bucket is not None
-                if bucket.sums is None:
-                    words = b.wait(bucket.handle)
-                    bucket.sums = core.unpack(b, words, self.settings.bits, bucket.total)
+                if bucket.decoded is None:
+                    bucket.decoded = b.decoder(b.wait(bucket.handle), self.settings.bits,
+                                               bucket.total)
                     bucket.handle = None
                 factor = b.probe_factor(reduced_probe, bucket.world_size)
-                part = b.segment(bucket.sums, ctx.offset, ctx.tensor)
-                out = b.finish(part, bucket.steps[ctx.index] * factor, ctx.tensor)
+                out = b.decode(bucket.decoded, ctx.offset, ctx.tensor,
+                               bucket.steps[ctx.index] * factor)
             except BaseException:
                 # Every rank fails at the same point (same sizes, same probe), so start the
                 # next round clean on all of them rather than carry a broken queue.
@@ -211,37 +215,36 @@ class Engine:
         bucket.total = offset
         name = f"{self._prefix}.b{self._serial}"
         self._serial += 1
-        scales = self._exchange_scales(entries, f"{name}.scale", pset)
-        self._send_codes(bucket, scales, f"{name}.codes", pset)
+        flat = self.backend.flat_concat([e.tensor for e in entries])
+        scales = self._exchange_scales(entries, flat, f"{name}.scale", pset)
+        self._send_codes(bucket, flat, scales, f"{name}.codes", pset)
         r.payload += core.wire_bytes(offset, self.settings.bits)
         r.overhead += core.scale_exchange_bytes(len(entries))
 
-    def _exchange_scales(self, entries: list[Entry], name: str, pset: Any) -> Any:
+    def _exchange_scales(self, entries: list[Entry], flat: Any, name: str, pset: Any) -> Any:
         """COLLECTIVE: one MAX allreduce of every tensor's local norm plus the layout pair
         ``(h, -h)``; ranks that queued different layouts get ``max(h) != -max(-h)``."""
         b = self.backend
         tensors = [e.tensor for e in entries]
-        layout = core.layout_fingerprint([e.numel for e in entries],
-                                         [b.dtype_name(t) for t in tensors])
-        norms = b.local_norms(tensors, self.settings.norm, [layout, -layout])
+        counts = [e.numel for e in entries]
+        layout = core.layout_fingerprint(counts, [b.dtype_name(t) for t in tensors])
+        norms = b.local_norms(tensors, flat, counts, self.settings.norm, [layout, -layout])
         return b.check_layout(b.allreduce_max(norms, name, pset))
 
-    def _send_codes(self, bucket: Bucket, scales: Any, name: str, pset: Any) -> None:
+    def _send_codes(self, bucket: Bucket, flat: Any, scales: Any, name: str, pset: Any) -> None:
         """Quantize and pack the whole bucket at once; COLLECTIVE: launch the Sum allreduce."""
         b, level = self.backend, bucket.n_levels
         bucket.steps = core.step_sizes(b, scales, level)
-        flat = b.flat_concat([e.tensor for e in bucket.entries])
-        mult = b.repeat(core.multipliers(b, scales, level), [e.numel for e in bucket.entries],
-                        flat)
-        codes = core.quantize(b, flat, mult, b.uniform(flat, bucket.rank), level)
-        bucket.handle = b.allreduce_sum_async(core.pack(b, codes, self.settings.bits), name,
-                                              pset)
+        words = b.encode(flat, core.multipliers(b, scales, level),
+                         [e.numel for e in bucket.entries], level, self.settings.bits,
+                         bucket.rank)
+        bucket.handle = b.allreduce_sum_async(words, name, pset)
 
     def _release(self, bucket: Bucket, entry: Entry) -> None:
         entry.tensor = None
         bucket.remaining -= 1
         if bucket.remaining == 0:
-            bucket.sums = None
+            bucket.decoded = None
         r = self._round
         r.outstanding -= 1
         if r.outstanding == 0 and not r.queued:

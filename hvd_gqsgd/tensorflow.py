@@ -106,7 +106,8 @@ class TensorFlowBackend:
     def probe_factor(self, reduced: Any, world_size: int) -> Any:
         return _on_host(lambda r: core.check_probe(r, world_size), reduced)
 
-    def local_norms(self, tensors: Sequence[Any], norm: str, extra: Sequence[float]) -> Any:
+    def local_norms(self, tensors: Sequence[Any], flat: Any, counts: Sequence[int], norm: str,
+                    extra: Sequence[float]) -> Any:
         def one(t: Any) -> Any:
             x = tf.cast(t, tf.float64)
             value = tf.reduce_max(tf.abs(x)) if norm == "max" else tf.norm(x)
@@ -129,25 +130,28 @@ class TensorFlowBackend:
         with tf.control_dependencies([ok] if not tf.executing_eagerly() else []):
             return tf.identity(reduced[:-2])
 
-    def repeat(self, per_tensor: Any, counts: Sequence[int], like: Any) -> Any:
-        return tf.repeat(tf.cast(per_tensor, like.dtype), list(counts))
-
     def flat_concat(self, tensors: Sequence[Any]) -> Any:
         dtype = tf.float64 if any(t.dtype == tf.float64 for t in tensors) else tf.float32
         return tf.concat([tf.reshape(tf.cast(t, dtype), [-1]) for t in tensors], 0)
 
-    def uniform(self, like: Any, rank: int) -> Any:
+    def encode(self, flat: Any, mult: Any, counts: Sequence[int], n_levels: int, bits: int,
+               rank: int) -> Any:
+        per_element = tf.repeat(tf.cast(mult, flat.dtype), list(counts))
+        return core.encode(self, flat, per_element, self._uniform(flat, rank), n_levels, bits)
+
+    def _uniform(self, like: Any, rank: int) -> Any:
         if self._generator is None:
             with tf.init_scope():  # a variable must not be created inside a trace
                 self._generator = tf.random.Generator.from_seed(core.rank_seed(self._seed, rank))
         return self._generator.uniform(tf.shape(like), dtype=like.dtype)
 
-    def segment(self, sums: Any, offset: int, like: Any) -> Any:
-        compute = tf.float64 if like.dtype == tf.float64 else tf.float32
-        return tf.cast(sums[offset:offset + _static_numel(like)], compute)
+    def decoder(self, words: Any, bits: int, total: int) -> Any:
+        return core.unpack(self, words, bits, total)
 
-    def finish(self, values: Any, scale: Any, like: Any) -> Any:
-        return tf.reshape(tf.cast(values * tf.cast(scale, values.dtype), like.dtype), like.shape)
+    def decode(self, state: Any, offset: int, like: Any, scale: Any) -> Any:
+        compute = tf.float64 if like.dtype == tf.float64 else tf.float32
+        part = tf.cast(state[offset:offset + _static_numel(like)], compute)
+        return tf.reshape(tf.cast(part * tf.cast(scale, compute), like.dtype), like.shape)
 
     def stable_names(self) -> bool:
         return tf.executing_eagerly()

@@ -13,12 +13,20 @@ from collections.abc import Sequence
 from typing import Any
 
 import horovod.torch as hvd
+import numpy as np
 import torch
 
-from . import core
+from . import core, kernels
 from .compressor import GlobalQSGD
 
 __all__ = ["GlobalQSGD", "TorchBackend"]
+
+
+class _Packed:
+    """Decoder state of the fused path: the summed words, decoded per tensor on demand."""
+
+    def __init__(self, words: np.ndarray, bits: int) -> None:
+        self.words, self.bits = words, bits
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -28,7 +36,9 @@ class TorchBackend:
 
     def __init__(self, seed: int | None) -> None:
         self._seed = seed
-        self._generators: dict[torch.device, torch.Generator] = {}  # one noise stream per device
+        self._generators: dict[torch.device, torch.Generator] = {}  # generic path, per device
+        self._key_base: int | None = None  # fused path: counter-based noise, keyed per bucket
+        self._key_serial = 0
 
     # --- core.TensorOps
     def floor(self, x: Any) -> Any:
@@ -83,7 +93,12 @@ class TorchBackend:
     def probe_factor(self, reduced: Any, world_size: int) -> Any:
         return core.check_probe(reduced.tolist(), world_size)
 
-    def local_norms(self, tensors: Sequence[Any], norm: str, extra: Sequence[float]) -> Any:
+    def local_norms(self, tensors: Sequence[Any], flat: Any, counts: Sequence[int], norm: str,
+                    extra: Sequence[float]) -> Any:
+        tail = torch.tensor(extra, dtype=torch.float64, device=flat.device)
+        if self._fused(flat):
+            vec = torch.from_numpy(kernels.segment_norms(flat.numpy(), np.asarray(counts), norm))
+            return torch.cat([vec, tail])
         norms: Sequence[torch.Tensor]
         if norm == "max":
             norms = torch._foreach_norm(list(tensors), float("inf"))
@@ -91,8 +106,7 @@ class TorchBackend:
             norms = [torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]
         vec = torch.stack([n.to(torch.float64) for n in norms])
         # MAX drops NaN in some reductions (a > b is false); +inf always wins the MAX.
-        vec = torch.nan_to_num(vec, nan=float("inf"))
-        return torch.cat([vec, torch.tensor(extra, dtype=torch.float64, device=vec.device)])
+        return torch.cat([torch.nan_to_num(vec, nan=float("inf")), tail])
 
     def check_layout(self, reduced: Any) -> Any:
         high, neg_low = reduced[-2:].tolist()
@@ -104,16 +118,43 @@ class TorchBackend:
             )
         return reduced[:-2]
 
-    def repeat(self, per_tensor: Any, counts: Sequence[int], like: Any) -> Any:
-        counts_t = torch.tensor(list(counts), device=like.device)
-        return torch.repeat_interleave(per_tensor.to(like.dtype), counts_t,
-                                       output_size=like.numel())
-
     def flat_concat(self, tensors: Sequence[Any]) -> Any:
         dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+        if len(tensors) == 1:
+            return tensors[0].reshape(-1).to(dtype)  # no copy when already flat and in dtype
         return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
 
-    def uniform(self, like: Any, rank: int) -> Any:
+    def encode(self, flat: Any, mult: Any, counts: Sequence[int], n_levels: int, bits: int,
+               rank: int) -> Any:
+        if self._fused(flat):
+            words = torch.empty(core.packed_words(flat.numel(), bits), dtype=torch.int64)
+            kernels.quantize_pack(flat.numpy(), np.asarray(counts), mult.numpy(), n_levels, bits,
+                                  self._noise_key(rank), words.numpy())
+            return words
+        counts_t = torch.tensor(list(counts), device=flat.device)
+        per_element = torch.repeat_interleave(mult.to(flat.dtype), counts_t,
+                                              output_size=flat.numel())
+        return core.encode(self, flat, per_element, self._uniform(flat, rank), n_levels, bits)
+
+    def decoder(self, words: Any, bits: int, total: int) -> Any:
+        if self._fused(words):
+            return _Packed(words.numpy(), bits)
+        return core.unpack(self, words, bits, total)
+
+    def decode(self, state: Any, offset: int, like: Any, scale: Any) -> Any:
+        compute = torch.float64 if like.dtype == torch.float64 else torch.float32
+        if isinstance(state, _Packed):
+            out = torch.empty(like.numel(), dtype=compute)
+            kernels.unpack_scale(state.words, state.bits, offset, out.numpy(), float(scale))
+        else:
+            out = state[offset:offset + like.numel()].to(compute) * scale
+        return out.to(like.dtype).view(like.shape)
+
+    def _fused(self, t: Any) -> bool:
+        """The numba kernels serve CPU tensors; CUDA (and CPU without numba) use core.encode."""
+        return t.device.type == "cpu" and kernels.available()
+
+    def _uniform(self, like: Any, rank: int) -> Any:
         gen = self._generators.get(like.device)
         if gen is None:
             gen = torch.Generator(device=like.device)
@@ -121,12 +162,12 @@ class TorchBackend:
             self._generators[like.device] = gen
         return torch.rand(like.shape, dtype=like.dtype, device=like.device, generator=gen)
 
-    def segment(self, sums: Any, offset: int, like: Any) -> Any:
-        compute = torch.float64 if like.dtype == torch.float64 else torch.float32
-        return sums[offset:offset + like.numel()].to(compute)
-
-    def finish(self, values: Any, scale: Any, like: Any) -> Any:
-        return (values * scale).to(like.dtype).view(like.shape)
+    def _noise_key(self, rank: int) -> int:
+        """A fresh 64-bit key per bucket for the kernels' counter-based noise."""
+        if self._key_base is None:
+            self._key_base = core.rank_seed(self._seed, rank)
+        self._key_serial += 1
+        return core.noise_key(self._key_base, self._key_serial)
 
     def stable_names(self) -> bool:
         return True
@@ -142,7 +183,8 @@ class TorchBackend:
         return hvd.allreduce(vec, op=hvd.Max, name=name, process_set=process_set)
 
     def allreduce_sum_async(self, words: Any, name: str, process_set: Any) -> Any:
-        return hvd.allreduce_async(words, op=hvd.Sum, name=name, process_set=process_set)
+        # in place: the words are ours, and a second buffer would cost another allocation
+        return hvd.allreduce_async_(words, op=hvd.Sum, name=name, process_set=process_set)
 
     def wait(self, handle: Any) -> Any:
         return hvd.synchronize(handle)

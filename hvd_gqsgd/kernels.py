@@ -1,0 +1,265 @@
+"""Fused CPU kernels (numba) for the hot loops of :mod:`hvd_gqsgd.core`.
+
+* ``segment_norms``: every tensor's local norm of a flat bucket in one pass.
+* ``quantize_pack``: clamp, stochastic rounding and signed-digit packing in one pass over the
+  input; writes only the int64 words.
+* ``unpack_scale``: one tensor's lane sums decoded from the summed words straight to floats.
+
+They compute exactly what ``core.quantize`` + ``core.pack`` and ``core.unpack`` + rescale
+compute (tests/test_kernels.py checks this bit for bit), with one difference: the rounding
+noise comes from a counter-based generator (:func:`noise`), so it needs no state, threads can
+draw it in any order, and it can be regenerated for any element.  Each 64-bit hash
+(splitmix64 of key and element pair) yields two 32-bit uniforms; the comparison
+``u < frac(y)`` is exact in float64, so the rounding bias is below ``2**-32`` of a step.
+
+Framework-free: arguments are NumPy arrays (the torch adapter passes zero-copy views of CPU
+tensors).  Importing this module compiles nothing; each kernel is compiled on first use and
+cached on disk by numba.  ``HVD_GQSGD_KERNELS=0`` disables them (generic path everywhere).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+
+try:
+    import numba
+except ImportError:  # the generic path in core still works
+    numba = None  # type: ignore[assignment]
+
+__all__ = ["available", "noise", "segment_norms", "quantize_pack", "unpack_scale"]
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_LOW32 = np.uint64(0xFFFFFFFF)
+_U32 = 2.0**-32
+BLOCK = 1 << 14  # elements per work item: big enough to amortise, small enough for L2
+PARALLEL_MIN = 1 << 18  # elements below which the serial twin of a kernel runs
+
+
+def available() -> bool:
+    """True when numba imports and ``HVD_GQSGD_KERNELS`` is not ``0``."""
+    return numba is not None and os.environ.get("HVD_GQSGD_KERNELS", "1") != "0"
+
+
+def noise(key: int, start: int, count: int) -> np.ndarray:
+    """The float64 uniforms in [0, 1) (multiples of 2**-32) that the kernels use for elements
+    ``start .. start + count`` of a bucket keyed by ``key`` (NumPy, for tests and oracles)."""
+    i = np.arange(start, start + count, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = np.uint64(key) + (i // np.uint64(2) + np.uint64(1)) * _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+        z = z ^ (z >> np.uint64(31))
+    r = np.where(i % np.uint64(2) == 0, z & _LOW32, z >> np.uint64(32))
+    return r.astype(np.float64) * _U32
+
+
+if numba is not None:
+
+    @numba.njit(inline="always")
+    def _hash(key, pair):
+        z = key + (pair + numba.uint64(1)) * _GOLDEN
+        z = (z ^ (z >> numba.uint64(30))) * _M1
+        z = (z ^ (z >> numba.uint64(27))) * _M2
+        return z ^ (z >> numba.uint64(31))
+
+    def _items_absmax_bits(bits_view, item_lo, item_hi, magnitude_mask, out):
+        # For non-negative IEEE floats, integer order is float order, and NaN/Inf have the
+        # largest patterns: an integer max (which vectorizes) gives max|x| and flags non-finite.
+        for w in numba.prange(item_lo.size):
+            m = bits_view.dtype.type(0)
+            for i in range(numba.uint64(item_lo[w]), numba.uint64(item_hi[w])):  # see _pairs
+                m = max(m, bits_view[i] & magnitude_mask)
+            out[w] = m
+
+    def _segment_l2(x, seg_start, out):
+        for s in numba.prange(seg_start.size - 1):
+            acc = np.zeros(8)  # independent partial sums break the add dependency chain
+            lo, hi = seg_start[s], seg_start[s + 1]
+            for i in range(lo, hi):
+                v = numba.float64(x[i])
+                acc[i & 7] += v * v
+            total = acc.sum()
+            out[s] = np.sqrt(total) if np.isfinite(total) else np.inf
+
+    @numba.njit(inline="always")
+    def _round(y, low, r):
+        return numba.int16(low) + numba.int16(numba.float64(r) * _U32 < numba.float64(y - low))
+
+    @numba.njit(inline="always")
+    def _clamped(v, top):
+        return min(max(v, -top), top) if v == v else top * 0  # NaN -> code 0 (see core)
+
+    @numba.njit
+    def _pairs(x, p0, p1, mult, top, key, codes):
+        """Codes of elements 2*p0 .. 2*p1 (one tensor); one hash feeds an element pair.
+        Indices are unsigned: numba then skips its negative-index wraparound select, which
+        otherwise keeps this loop from vectorizing (measured 3.4x slower)."""
+        two, one = numba.uint64(2), numba.uint64(1)
+        for p in range(numba.uint64(p0), numba.uint64(p1)):
+            h = _hash(key, p)
+            y0 = _clamped(x[two * p] * mult, top)
+            y1 = _clamped(x[two * p + one] * mult, top)
+            codes[two * p] = _round(y0, np.floor(y0), h & _LOW32)
+            codes[two * p + one] = _round(y1, np.floor(y1), h >> numba.uint64(32))
+
+    @numba.njit(inline="always")
+    def _single(x, i, mult, top, key, codes):
+        y = _clamped(x[i] * mult, top)
+        h = _hash(key, numba.uint64(i >> 1))
+        codes[i] = _round(y, np.floor(y), (h >> numba.uint64(32)) if i & 1 else (h & _LOW32))
+
+    @numba.njit(inline="always")
+    def _codes(x, lo, hi, mult, top, key, codes):
+        """codes[i] for elements lo..hi of one tensor."""
+        if lo & 1:  # an odd start: its pair partner belongs to the previous tensor
+            _single(x, lo, mult, top, key, codes)
+            lo += 1
+        _pairs(x, lo >> 1, hi >> 1, mult, top, key, codes)
+        if hi > lo and hi & 1:
+            _single(x, hi - 1, mult, top, key, codes)
+
+    def _codes_pass(x, item_lo, item_hi, item_mult, top, key, codes):
+        # work items never straddle tensors, so each runs with one multiplier
+        for w in numba.prange(item_lo.size):
+            _codes(x, item_lo[w], item_hi[w], item_mult[w], top, key, codes)
+
+    @numba.njit
+    def _pack(codes, bits, offset, words, j0, count):
+        # Offset form of the signed-digit word: W = U - H with U = sum (q_k + half) 2^(bits k)
+        # and H = sum half 2^(bits k).  Each q_k + half lies in [1, 2^bits - 1], so U is a
+        # plain bit-field word (no carries) built with shifts and ORs; W = U - H mod 2^64 is
+        # exactly core.pack's word.
+        lanes = numba.uint64(64 // bits)
+        half = numba.int32(1) << (bits - 1)
+        for j in range(numba.uint64(j0), numba.uint64(j0 + count)):  # unsigned: see _pairs
+            u = numba.uint64(0)
+            for k in range(lanes):
+                u |= numba.uint64(numba.int32(codes[j * lanes + k]) + half) << numba.uint64(
+                    bits * k)
+            words[j] = numba.int64(u - offset)
+
+    def _pack_pass(codes, bits, offset, words):
+        per_block = BLOCK // (64 // bits)
+        for b in numba.prange((words.size + per_block - 1) // per_block):
+            j0 = b * per_block
+            _pack(codes, bits, offset, words, j0, min(per_block, words.size - j0))
+
+    def _unpack_scale(words, bits, start, out, scale, offset):
+        # U = W + H turns the summed signed-digit word back into plain bit fields (every lane
+        # sum S_k has |S_k| < half, so S_k + half is in [1, 2^bits - 1]): lanes decode
+        # independently instead of being peeled one after another.
+        lanes = 64 // bits
+        half = numba.int64(1) << numba.int64(bits - 1)
+        mask = numba.uint64((1 << bits) - 1)
+        stop = start + out.size
+        j_first, j_last = start // lanes, (stop - 1) // lanes
+        per_block = BLOCK // lanes
+        for b in numba.prange((j_last - j_first + per_block) // per_block):
+            jb0 = j_first + b * per_block
+            for j in range(jb0, min(j_last + 1, jb0 + per_block)):
+                u = numba.uint64(words[j]) + offset
+                base = j * lanes - start
+                if base >= 0 and base + lanes <= out.size:  # interior word: all lanes
+                    ubase = numba.uint64(base)  # unsigned index: see _pairs
+                    for k in range(numba.uint64(lanes)):
+                        field = (u >> (numba.uint64(bits) * k)) & mask
+                        out[ubase + k] = (numba.int64(field) - half) * scale
+                else:  # the tensor starts or ends inside this word
+                    for k in range(lanes):
+                        if 0 <= base + k < out.size:
+                            field = (u >> numba.uint64(bits * k)) & mask
+                            out[base + k] = (numba.int64(field) - half) * scale
+
+
+    def _twin(fn):
+        """Compile ``fn`` twice: threaded for big inputs, serial for small ones (a threaded
+        launch costs about 1 ms, more than a small tensor's whole work)."""
+        return numba.njit(parallel=True, cache=True)(fn), numba.njit(cache=True)(fn)
+
+    _items_absmax_bits = _twin(_items_absmax_bits)
+    _segment_l2 = _twin(_segment_l2)
+    _codes_pass = _twin(_codes_pass)
+    _pack_pass = _twin(_pack_pass)
+    _unpack_scale = _twin(_unpack_scale)
+
+
+def _run(kernel, size: int, *args) -> None:
+    """Run the threaded twin of ``kernel`` when ``size`` elements make it worth it."""
+    kernel[0 if size >= PARALLEL_MIN else 1](*args)
+
+
+def _offset(bits: int) -> np.uint64:
+    """H = sum_k half * 2^(bits k) over the lanes of a word (see _quantize_pack)."""
+    half = 1 << (bits - 1)
+    return np.uint64(sum(half << (bits * k) for k in range(64 // bits)))
+
+
+def _work_items(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split a bucket into work items of at most BLOCK elements that never straddle two
+    tensors: (tensor index, first element, end element) per item."""
+    counts = np.asarray(counts, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    pieces = -(-counts // BLOCK)
+    seg = np.repeat(np.arange(len(counts)), pieces)
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+    lo = starts[seg] + (np.arange(seg.size) - first) * BLOCK
+    hi = np.minimum(lo + BLOCK, starts[seg] + counts[seg])
+    return seg, lo, hi
+
+
+def segment_norms(x: np.ndarray, counts: np.ndarray, norm: str) -> np.ndarray:
+    """Per-tensor max |x| (``norm="max"``) or L2 norm of a flat bucket, float64; ``inf`` for
+    a tensor holding any NaN/Inf (so it wins the MAX exchange on every rank)."""
+    out = np.empty(len(counts), dtype=np.float64)
+    if norm == "l2":
+        _run(_segment_l2, x.size, x, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+             out)
+        return out
+    seg, lo, hi = _work_items(counts)
+    uint = np.uint32 if x.dtype == np.float32 else np.uint64
+    partial = np.empty(seg.size, dtype=uint)
+    _run(_items_absmax_bits, x.size, x.view(uint), lo, hi, uint(np.iinfo(uint).max >> 1),
+         partial)
+    first_item = np.concatenate([[0], np.cumsum(-(-np.asarray(counts) // BLOCK))[:-1]])
+    absmax = np.maximum.reduceat(partial, first_item).view(x.dtype).astype(np.float64)
+    return np.where(np.isfinite(absmax), absmax, np.inf)
+
+
+def quantize_pack(x: np.ndarray, counts: np.ndarray, mult: np.ndarray, level: int, bits: int,
+                  key: int, words: np.ndarray) -> None:
+    """Quantize flat ``x`` (float32/64; tensor ``s`` is the next ``counts[s]`` elements,
+    multiplier ``mult[s] = L / s``) and pack into ``words`` (int64, ``packed_words`` long).
+
+    Two passes: int16 codes (work items of at most BLOCK elements inside one tensor), then
+    packing.  A single fused loop that switches multiplier mid-block does not vectorize and
+    measured 3x slower."""
+    seg, item_lo, item_hi = _work_items(counts)
+    codes = _scratch(words.size * (64 // bits))
+    codes[x.size:] = 0  # padding lanes of the last word: code 0, as in core.pack
+    _run(_codes_pass, x.size, x, item_lo, item_hi, np.asarray(mult).astype(x.dtype)[seg],
+                x.dtype.type(level), np.uint64(key), codes)
+    _run(_pack_pass, x.size, codes, bits, _offset(bits), words)
+
+
+_SCRATCH = threading.local()  # reused int16 code buffer: a fresh one per call page-faults
+
+
+def _scratch(size: int) -> np.ndarray:
+    buf = getattr(_SCRATCH, "codes", None)
+    if buf is None or buf.size < size:
+        buf = np.empty(max(size, 1 << 16), dtype=np.int16)
+        _SCRATCH.codes = buf
+    return buf[:size]
+
+
+def unpack_scale(words: np.ndarray, bits: int, start: int, out: np.ndarray,
+                 scale: float) -> None:
+    """``out[t] = lane_sum(start + t) * scale`` for one tensor of a summed bucket."""
+    if out.size:
+        _run(_unpack_scale, out.size, words, bits, start, out, out.dtype.type(scale),
+             _offset(bits))

@@ -1,0 +1,105 @@
+"""The fused numba kernels compute bit for bit what the generic core path computes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numpy_ops import NumpyOps
+
+from hvd_gqsgd import core, kernels
+
+OPS = NumpyOps()
+
+
+def _bucket(dtype, sizes=(5, 130, 1, 4097), seed=0):
+    rng = np.random.default_rng(seed)
+    xs = [rng.normal(0, 1 + i, size).astype(dtype) for i, size in enumerate(sizes)]
+    return xs, np.concatenate(xs)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 7, 8, 9, 12, 16])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_quantize_pack_matches_generic_path(bits, dtype):
+    n_ranks = 1 if bits == 2 else 2
+    level = core.levels(bits, n_ranks)
+    xs, flat = _bucket(dtype)
+    counts = np.array([x.size for x in xs])
+    scales = np.array([np.abs(x).max() for x in xs])
+    scales[2] = 0.0  # an all-zero tensor's scale
+    mult = core.multipliers(OPS, scales, level)
+    key = core.noise_key(123, 4)
+    words = np.empty(core.packed_words(flat.size, bits), dtype=np.int64)
+    kernels.quantize_pack(flat, counts, mult, level, bits, key, words)
+    per_element = np.repeat(mult.astype(dtype), counts)
+    # the kernels' noise is float64 (32 random bits); the comparison promotes, exactly
+    expected = core.encode(OPS, flat, per_element, kernels.noise(key, 0, flat.size), level, bits)
+    np.testing.assert_array_equal(words, expected)
+
+
+@pytest.mark.parametrize("bits", [3, 8, 16])
+def test_unpack_scale_matches_generic_path(bits):
+    n_ranks = 3
+    level = core.levels(bits, n_ranks)
+    rng = np.random.default_rng(bits)
+    codes = rng.integers(-level, level + 1, size=(n_ranks, 1000))
+    codes[:, :10] = level
+    codes[:, 10:20] = -level
+    words = sum(core.pack(OPS, c, bits) for c in codes)
+    sums = core.unpack(OPS, words, bits, 1000)
+    for start, stop in [(0, 1000), (0, 1), (7, 8), (13, 500), (999, 1000), (8, 16)]:
+        out = np.empty(stop - start, dtype=np.float32)
+        kernels.unpack_scale(words, bits, start, out, 0.25)
+        np.testing.assert_array_equal(out, sums[start:stop].astype(np.float32) * np.float32(0.25))
+
+
+def test_nan_input_gives_code_zero_and_spares_neighbours():
+    level, bits = 63, 8
+    flat = np.ones(16, dtype=np.float32)
+    flat[8] = np.nan  # lane 0 of the second word
+    mult = np.array([0.0, 63.0])  # tensor 0 (elements 0..11) has a non-finite scale
+    words = np.empty(2, dtype=np.int64)
+    kernels.quantize_pack(flat, np.array([12, 4]), mult, level, bits, 1, words)
+    sums = core.unpack(OPS, words, bits, 16)
+    np.testing.assert_array_equal(sums[:12], 0)
+    np.testing.assert_array_equal(sums[12:], 63)
+
+
+@pytest.mark.parametrize("norm", ["max", "l2"])
+def test_segment_norms(norm):
+    xs, flat = _bucket(np.float32)
+    xs[1][3] = np.nan
+    xs[3][-1] = -np.inf
+    flat = np.concatenate(xs)
+    got = kernels.segment_norms(flat, np.array([x.size for x in xs]), norm)
+    for g, x in zip(got, xs):
+        if not np.all(np.isfinite(x)):
+            assert g == np.inf
+        elif norm == "max":
+            assert g == np.abs(x).max()
+        else:
+            assert g == pytest.approx(np.linalg.norm(x.astype(np.float64)), rel=1e-12)
+
+
+def test_noise_is_uniform_and_keyed():
+    u = kernels.noise(5, 0, 200_000)
+    assert u.dtype == np.float64 and u.min() >= 0 and u.max() < 1
+    assert np.all(u * 2**32 == np.floor(u * 2**32))  # 32-bit uniforms
+    assert abs(u.mean() - 0.5) < 0.005 and abs(u.var() - 1 / 12) < 0.002
+    assert not np.array_equal(u[:100], kernels.noise(6, 0, 100))
+    np.testing.assert_array_equal(u[50:60], kernels.noise(5, 50, 10))
+
+
+def test_threaded_kernels_match_generic_path():
+    level, bits = 31, 8
+    size = kernels.PARALLEL_MIN + 5 * kernels.BLOCK + 11  # the threaded twins run
+    flat = np.random.default_rng(3).normal(size=size).astype(np.float32)
+    counts = np.array([flat.size])
+    mult = np.array([level / np.abs(flat).max()])
+    words = np.empty(core.packed_words(flat.size, bits), dtype=np.int64)
+    kernels.quantize_pack(flat, counts, mult, level, bits, 9, words)
+    expected = core.encode(OPS, flat, np.repeat(mult.astype(np.float32), counts),
+                           kernels.noise(9, 0, flat.size), level, bits)
+    np.testing.assert_array_equal(words, expected)
+    out = np.empty(flat.size, dtype=np.float32)
+    kernels.unpack_scale(words, bits, 0, out, 1.0)
+    np.testing.assert_array_equal(out, core.unpack(OPS, words, bits, flat.size))
