@@ -198,13 +198,18 @@ def test_unsupported_ops_and_too_few_bits_raise(ranks):
 
 def test_distributed_optimizer_reduces_like_uncompressed(ranks):
     expected_configs = {
-        "torch": {"average", "sum", "predivide", "groups", "bpps2"},
+        "torch": {"average", "sum", "predivide", "groups", "bpps2", "bucketed"},
         "tensorflow": {f"{c}-{m}" for c in ("average", "sum", "predivide", "groups")
                        for m in ("eager", "function")},
     }[ranks[0]["framework"]]
     assert set(ranks[0]["optimizer_grads"]) == expected_configs
     for config in sorted(expected_configs):
         _check_reduced_grads(ranks, config)
+    if "bucketed" in expected_configs:  # 4 tensors of 1+16+16+128 floats, 60-byte buckets
+        grads = ranks[0]["optimizer_grads"]
+        one_bucket = core.scale_exchange_bytes(4) + 4 * core.PROBE_BYTES
+        assert grads["average"]["scale_bytes"] == one_bucket
+        assert grads["bucketed"]["scale_bytes"] > one_bucket
 
 
 def _check_reduced_grads(ranks, config):

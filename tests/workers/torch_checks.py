@@ -166,13 +166,15 @@ def optimizer_grads(rank: int, n: int) -> dict:
         "predivide": {"gradient_predivide_factor": 2.0},
         "groups": {"groups": 2},
         "bpps2": {"backward_passes_per_step": 2},
+        "bucketed": {},  # several buckets per round: flushes from the autograd hooks
     }
     out = {}
     for name, kwargs in configs.items():
         model = _model()
+        comp = GlobalQSGD(bits=8, bucket_bytes=60 if name == "bucketed" else 0)
         opt = hvd.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
-            compression=GlobalQSGD(bits=8), **kwargs)
+            compression=comp, **kwargs)
         passes = kwargs.get("backward_passes_per_step", 1)
         local = None
         for p in range(passes):
@@ -180,7 +182,8 @@ def optimizer_grads(rank: int, n: int) -> dict:
             loss.backward()
         local = [_np(p.grad.clone()) for p in model.parameters()]
         opt.synchronize()
-        out[name] = {"local": local, "reduced": [_np(p.grad) for p in model.parameters()]}
+        out[name] = {"local": local, "reduced": [_np(p.grad) for p in model.parameters()],
+                     "scale_bytes": comp.stats.last_overhead}
         opt.zero_grad()
     return out
 
