@@ -202,25 +202,48 @@ def optimizer_grads(rank: int, n: int) -> dict:
 
 
 def training(rank: int, n: int, steps: int = 150) -> dict:
+    """The tape in a tf.function, the tape eagerly, and horovod.tensorflow's
+    DistributedOptimizer around a tf.compat.v1 optimizer; uncompressed as the reference."""
     x, y = (tf.constant(a) for a in training_data(rank, 256))
+    runs = [("none", "function", hvd.Compression.none), ("gqsgd8", "function", GlobalQSGD(8)),
+            ("gqsgd8_eager", "eager", GlobalQSGD(8)), ("gqsgd8_v1opt", "v1", GlobalQSGD(8))]
     out = {}
-    for name, comp in (("none", hvd.Compression.none), ("gqsgd8", GlobalQSGD(bits=8))):
+    for name, mode, comp in runs:
         model = _model()
-        opt = tf.keras.optimizers.SGD(0.05)
-
-        @tf.function
-        def step(model=model, opt=opt, comp=comp):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean((model(x) - y) ** 2)
-            tape = hvd.DistributedGradientTape(tape, compression=comp)
-            grads = tape.gradient(loss, _sources(model))
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-            return hvd.allreduce(loss, name="loss")
-
+        step = _v1_step(model, x, y, comp) if mode == "v1" else _tape_step(model, x, y, comp)
+        if mode == "function":
+            step = tf.function(step)
         losses = [float(step()) for _ in range(steps)]
         params = np.concatenate([v.numpy().reshape(-1) for v in model.trainable_variables])
         out[name] = {"losses": losses, "params": params.astype(np.float64)}
     return out
+
+
+def _tape_step(model, x, y, comp):
+    opt = tf.keras.optimizers.SGD(0.05)
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        tape = hvd.DistributedGradientTape(tape, compression=comp)
+        grads = tape.gradient(loss, _sources(model))
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return hvd.allreduce(loss, name="loss")
+
+    return step
+
+
+def _v1_step(model, x, y, comp):
+    opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.05),
+                                   compression=comp)
+
+    @tf.function
+    def step():
+        loss = lambda: tf.reduce_mean((model(x) - y) ** 2)  # noqa: E731
+        opt.minimize(loss, var_list=_sources(model))
+        return hvd.allreduce(loss(), name="loss")
+
+    return step
 
 
 def keras3_fit(rank: int, n: int) -> dict:
