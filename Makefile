@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 export OMP_NUM_THREADS ?= 1
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: setup test demo lint clean
+.PHONY: setup test demo bench lint clean
 
 setup:
 	@VENV=$(VENV) bash scripts/setup_env.sh
@@ -26,6 +26,10 @@ test: setup
 demo: setup
 	$(VENV)/bin/horovodrun --gloo -np $(NP) -H localhost:$(NP) $(PY) examples/torch_digits.py \
 		2>&1 | $(TF_NOISE)
+
+# Bandwidth benchmark on emulated hosts (root): writes docs/BENCHMARKS.md and the plot.
+bench: setup
+	$(PY) benchmarks/netbench.py 2>&1 | $(TF_NOISE)
 
 lint: setup
 	$(VENV)/bin/ruff check hvd_gqsgd tests examples

@@ -1,0 +1,144 @@
+"""Bandwidth benchmark on emulated hosts: `make bench` (root needed).
+
+Runs benchmarks/allreduce_worker.py with mpirun on 2..4 network namespaces whose links are
+rate-limited with tc, sweeping link rate and host count, and writes
+
+* docs/BENCHMARKS.md: measured allreduce times, speed-ups over Compression.none and fp16,
+  and what a small performance model predicts;
+* docs/bench_speedup.png: speed-up vs link rate.
+
+The model: one allreduce of B bytes per rank over n hosts at rate R costs
+``t(B) = a + 2 (n-1)/n * B * 8 / R`` (ring), with the latency ``a`` measured in the same job;
+GlobalQSGD adds two more round trips (scale exchange, probe) and its local cost ``c``
+(quantization, measured in the same job on a one-rank process set), so
+``t_gq = 3a + 2 (n-1)/n * B/(32/bits) * 8 / R + c``.
+
+Traffic stays inside the namespaces made here; they are removed on exit; each job has a
+timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from emulated_hosts import EmulatedHosts, require_root
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from hvd_gqsgd import core  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RATES = {"1gbit": 1e9, "10gbit": 1e10}
+
+
+def run_job(hosts: int, rate: str, mb: float, compressors: str, repeats: int) -> dict:
+    with EmulatedHosts(hosts, rate=rate) as net:
+        proc = net.mpirun([sys.executable, str(ROOT / "benchmarks" / "allreduce_worker.py"),
+                           "--mb", str(mb), "--repeats", str(repeats),
+                           "--compressors", compressors],
+                          env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark job failed ({hosts} hosts, {rate}):\n"
+                           f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {r["what"]: r["median_s"] for r in rows}
+
+
+def predict(times: dict, hosts: int, rate: float, mb: float, name: str) -> float:
+    """Model time of one allreduce (see the module docstring)."""
+    ring = 2 * (hosts - 1) / hosts
+    nbytes = mb * 2**20
+    if name == "none":
+        return times["latency"] + ring * nbytes * 8 / rate
+    if name == "fp16":  # the casts are cheap next to the wire; not modelled
+        return times["latency"] + ring * nbytes / 2 * 8 / rate
+    bits = int(name[5:])
+    wire = core.wire_bytes(int(nbytes // 4), bits)
+    return 3 * times["latency"] + ring * wire * 8 / rate + times[f"local_{name}"]
+
+
+def table(results: list[dict], mb: float) -> list[str]:
+    lines = ["| hosts | link | compressor | time (s) | vs none | vs fp16 | model (s) |",
+             "|---|---|---|---|---|---|---|"]
+    for res in results:
+        t = res["times"]
+        for name in res["compressors"]:
+            model = predict(t, res["hosts"], RATES[res["rate"]], mb, name)
+            lines.append(f"| {res['hosts']} | {res['rate']} | {name} | {t[name]:.3f} | "
+                         f"{t['none'] / t[name]:.2f}x | {t['fp16'] / t[name]:.2f}x | "
+                         f"{model:.3f} |")
+    return lines
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for hosts in sorted({r["hosts"] for r in results}):
+        for name in ("fp16", "gqsgd4", "gqsgd8", "gqsgd16"):
+            pts = [(RATES[r["rate"]] / 1e9, r["times"]["none"] / r["times"][name])
+                   for r in results if r["hosts"] == hosts and name in r["times"]]
+            if pts:
+                xs, ys = zip(*sorted(pts))
+                ax.plot(xs, ys, marker="o", label=f"{name}, {hosts} hosts")
+    ax.set_xscale("log")
+    ax.set_xlabel("link rate (Gbit/s)")
+    ax.set_ylabel("speed-up over Compression.none")
+    ax.axhline(1, color="gray", lw=0.5)
+    ax.legend(fontsize=7)
+    ax.set_title("64 MB fp32 allreduce on emulated hosts")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hosts", default="2,4")
+    parser.add_argument("--rates", default="1gbit,10gbit")
+    parser.add_argument("--mb", type=float, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--compressors", default="none,fp16,gqsgd4,gqsgd8,gqsgd16")
+    parser.add_argument("--out", default=str(ROOT / "docs"))
+    args = parser.parse_args()
+    require_root()
+    results = []
+    started = time.time()
+    for hosts in (int(h) for h in args.hosts.split(",")):
+        for rate in args.rates.split(","):
+            names = args.compressors.split(",")
+            times = run_job(hosts, rate, args.mb, ",".join(names), args.repeats)
+            results.append({"hosts": hosts, "rate": rate, "compressors": names,
+                            "times": times})
+            print(f"{hosts} hosts, {rate}: " + ", ".join(
+                f"{k}={v:.3f}s" for k, v in times.items()), flush=True)
+    out = Path(args.out)
+    out.mkdir(exist_ok=True)
+    plot(results, out / "bench_speedup.png")
+    doc = [
+        "# Bandwidth benchmark",
+        "",
+        "Regenerate with `make bench` (root: network namespaces and tc). "
+        f"{args.mb:g} MB fp32 gradient, `hvd.allreduce` with the default op, Open MPI over TCP "
+        "between network namespaces whose links tc limits to the given rate, 1 rank per host, "
+        f"median of {args.repeats} runs of the slowest rank. All hosts share this machine's "
+        "2 cores, so compute-heavy rows are pessimistic. Model: see benchmarks/netbench.py.",
+        "",
+        *table(results, args.mb),
+        "",
+        "![speed-up vs link rate](bench_speedup.png)",
+        "",
+        f"Took {time.time() - started:.0f} s.",
+        "",
+    ]
+    (out / "BENCHMARKS.md").write_text("\n".join(doc))
+    print(f"wrote {out / 'BENCHMARKS.md'} and {out / 'bench_speedup.png'}")
+
+
+if __name__ == "__main__":
+    main()
