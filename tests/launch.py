@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+from emulated_hosts import EmulatedHosts  # noqa: E402
+
 WORKERS = Path(__file__).parent / "workers"
 BIN = Path(sys.executable).parent
 TIMEOUT_S = int(os.environ.get("GQSGD_TEST_LAUNCH_TIMEOUT", "600"))
@@ -29,6 +32,13 @@ def run(worker: str, controller: str, n: int, *args: str,
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
                 "TF_USE_LEGACY_KERAS": "0",
                 "PYTHONPATH": str(Path(__file__).parent.parent), **(env or {})}
+    if controller == "hosts":  # one emulated host (network namespace) per rank
+        with EmulatedHosts(n, rate=None) as hosts:
+            return hosts.mpirun([sys.executable, str(WORKERS / worker), *args],
+                                env={k: full_env[k] for k in (
+                                    "OMP_NUM_THREADS", "TF_CPP_MIN_LOG_LEVEL",
+                                    "TF_USE_LEGACY_KERAS", "PYTHONPATH")},
+                                timeout=TIMEOUT_S)
     return subprocess.run(command(worker, controller, n, *args), env=full_env,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
 

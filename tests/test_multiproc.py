@@ -20,7 +20,9 @@ from hvd_gqsgd import core
 pytestmark = pytest.mark.multiproc
 
 WORKERS = {"torch": "torch_checks.py", "tf": "tf_checks.py"}
-CONFIGS = [(f, c, n) for f in WORKERS for n in (2, 3) for c in ("gloo", "mpi")]
+# "hosts": mpirun across emulated hosts, one network namespace per rank, TCP only (root)
+CONFIGS = [(f, c, n) for f in WORKERS for n in (2, 3) for c in ("gloo", "mpi")] + [
+    ("torch", "hosts", 3), ("tf", "hosts", 2)]
 
 
 _JOBS: dict = {}  # config -> per-rank results, so each job runs once per session
