@@ -3,6 +3,9 @@
 Everything numeric that hvd_gqsgd does is written once here.  The functions that touch tensors
 take an ``ops`` object (see :class:`TensorOps`) whose methods are one-line translations into
 PyTorch or TensorFlow; they never re-derive a formula.  This module imports neither framework.
+The one exception is speed: :mod:`hvd_gqsgd.kernels` fuses :func:`quantize`, :func:`pack`
+and :func:`unpack` into CPU loops, and tests/test_kernels.py checks them bit for bit against
+the functions here.
 
 The overflow bound
 ------------------

@@ -120,9 +120,9 @@ class TorchBackend:
 
     def flat_concat(self, tensors: Sequence[Any]) -> Any:
         dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-        if len(tensors) == 1:
-            return tensors[0].reshape(-1).to(dtype)  # no copy when already flat and in dtype
-        return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+        if len(tensors) == 1:  # no copy when already flat and in dtype
+            return tensors[0].detach().reshape(-1).to(dtype)
+        return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
 
     def encode(self, flat: Any, mult: Any, counts: Sequence[int], n_levels: int, bits: int,
                rank: int) -> Any:

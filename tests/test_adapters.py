@@ -78,3 +78,19 @@ def test_local_norms_match_numpy(backend, norm):
             want = np.abs(x).max() if norm == "max" else np.linalg.norm(x.astype(np.float64))
             assert g == pytest.approx(want, rel=1e-6)
     assert list(got[3:]) == [7.0, -7.0]
+
+
+def test_torch_input_that_requires_grad():
+    import torch
+
+    from hvd_gqsgd.torch import TorchBackend
+
+    ops = TorchBackend(seed=0)
+    x = torch.linspace(-1, 1, 40, requires_grad=True)
+    flat = ops.flat_concat([x])
+    norms = ops.local_norms([x], flat, [40], "max", [0.0, 0.0])
+    assert norms[0].item() == 1.0
+    words = ops.encode(flat, torch.tensor([63.0], dtype=torch.float64), [40], 63, 8, 0)
+    sums = ops.decoder(words, 8, 40)
+    got = ops.decode(sums, 0, x, torch.tensor(1 / 63, dtype=torch.float64))
+    assert got.shape == x.shape and float((got - x.detach()).abs().max()) <= 1 / 63 + 1e-6
