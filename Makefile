@@ -25,7 +25,8 @@ test: setup
 
 demo: setup
 	$(VENV)/bin/horovodrun --gloo -np $(NP) -H localhost:$(NP) $(PY) examples/torch_digits.py \
-		2>&1 | $(TF_NOISE)
+		2>&1 | $(TF_NOISE) | sed -e 's/^\[0\]<stdout>://'
+
 
 # Bandwidth benchmark on emulated hosts (root): writes docs/BENCHMARKS.md and the plot.
 bench: setup

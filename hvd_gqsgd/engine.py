@@ -21,7 +21,9 @@ Life of a round (all ranks must make the same calls in the same order)::
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -59,13 +61,23 @@ class Backend(core.TensorOps, Protocol):
     def stable_names(self) -> bool: ...  # True when names may repeat every round (eager)
 
 
+FIGURES = ("uncompressed", "payload", "overhead", "quantize_s", "scale_wait_s", "codes_wait_s")
+
+
 @dataclass
 class Stats:
-    """Byte and call counters, per round (``last_*``) and cumulative (``total_*``).
+    """What compression cost and bought, per round (``last_*``) and cumulative (``total_*``).
 
-    ``payload`` is the packed codes one rank sends into the allreduce; ``overhead`` is the
-    scale/layout vector and the probes; ``uncompressed`` is what the same tensors would have
-    cost in their own dtype.
+    Bytes: ``payload`` is the packed codes one rank sends into the allreduce; ``overhead`` the
+    scale/layout vector and the probes; ``uncompressed`` what the same tensors would have cost
+    in their own dtype.  Seconds: ``quantize_s`` is local work (norms, quantize, pack, unpack,
+    rescale), ``scale_wait_s`` the blocking scale exchange, ``codes_wait_s`` waiting for the
+    summed codes.  Inside ``tf.function`` these describe tracing, not executed steps.
+
+    Example::
+
+        opt.step()
+        print(compression.stats.as_dict())   # or log it: a flat dict of numbers
     """
 
     rounds: int = 0
@@ -73,9 +85,15 @@ class Stats:
     last_uncompressed: int = 0
     last_payload: int = 0
     last_overhead: int = 0
+    last_quantize_s: float = 0.0
+    last_scale_wait_s: float = 0.0
+    last_codes_wait_s: float = 0.0
     total_uncompressed: int = 0
     total_payload: int = 0
     total_overhead: int = 0
+    total_quantize_s: float = 0.0
+    total_scale_wait_s: float = 0.0
+    total_codes_wait_s: float = 0.0
 
     @property
     def last_ratio(self) -> float:
@@ -86,6 +104,13 @@ class Stats:
     def as_dict(self) -> dict[str, float]:
         names = [f for f in self.__dataclass_fields__]
         return {**{f: getattr(self, f) for f in names}, "last_ratio": self.last_ratio}
+
+    def add_round(self, figures: dict[str, float], tensors: int) -> None:
+        self.rounds += 1
+        self.tensors += tensors
+        for f in FIGURES:
+            setattr(self, f"last_{f}", figures[f])
+            setattr(self, f"total_{f}", getattr(self, f"total_{f}") + figures[f])
 
 
 @dataclass(eq=False)
@@ -123,9 +148,15 @@ class _Round:
     queued_bytes: int = 0
     outstanding: int = 0  # entries compressed but not yet decompressed
     tensors: int = 0
-    uncompressed: int = 0
-    payload: int = 0
-    overhead: int = 0
+    figures: dict[str, float] = field(default_factory=lambda: dict.fromkeys(FIGURES, 0))
+
+    @contextmanager
+    def timing(self, figure: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.figures[figure] += time.perf_counter() - start
 
 
 class Engine:
@@ -160,8 +191,8 @@ class Engine:
             r.queued_bytes += entry.nbytes
             r.outstanding += 1
             r.tensors += 1
-            r.uncompressed += entry.nbytes
-            r.overhead += core.PROBE_BYTES
+            r.figures["uncompressed"] += entry.nbytes
+            r.figures["overhead"] += core.PROBE_BYTES
             if self.settings.bucket_bytes and r.queued_bytes >= self.settings.bucket_bytes:
                 try:
                     self._flush()
@@ -181,13 +212,17 @@ class Engine:
                     self._flush()
                 bucket = ctx.bucket
                 assert bucket is not None
+                r = self._round
                 if bucket.decoded is None:
-                    bucket.decoded = b.decoder(b.wait(bucket.handle), self.settings.bits,
-                                               bucket.total)
+                    with r.timing("codes_wait_s"):
+                        words = b.wait(bucket.handle)
+                    with r.timing("quantize_s"):
+                        bucket.decoded = b.decoder(words, self.settings.bits, bucket.total)
                     bucket.handle = None
                 factor = b.probe_factor(reduced_probe, bucket.world_size)
-                out = b.decode(bucket.decoded, ctx.offset, ctx.tensor,
-                               bucket.steps[ctx.index] * factor)
+                with r.timing("quantize_s"):
+                    out = b.decode(bucket.decoded, ctx.offset, ctx.tensor,
+                                   bucket.steps[ctx.index] * factor)
             except BaseException:
                 # Every rank fails at the same point (same sizes, same probe), so start the
                 # next round clean on all of them rather than carry a broken queue.
@@ -215,11 +250,13 @@ class Engine:
         bucket.total = offset
         name = f"{self._prefix}.b{self._serial}"
         self._serial += 1
-        flat = self.backend.flat_concat([e.tensor for e in entries])
+        with r.timing("quantize_s"):
+            flat = self.backend.flat_concat([e.tensor for e in entries])
         scales = self._exchange_scales(entries, flat, f"{name}.scale", pset)
-        self._send_codes(bucket, flat, scales, f"{name}.codes", pset)
-        r.payload += core.wire_bytes(offset, self.settings.bits)
-        r.overhead += core.scale_exchange_bytes(len(entries))
+        with r.timing("quantize_s"):
+            self._send_codes(bucket, flat, scales, f"{name}.codes", pset)
+        r.figures["payload"] += core.wire_bytes(offset, self.settings.bits)
+        r.figures["overhead"] += core.scale_exchange_bytes(len(entries))
 
     def _exchange_scales(self, entries: list[Entry], flat: Any, name: str, pset: Any) -> Any:
         """COLLECTIVE: one MAX allreduce of every tensor's local norm plus the layout pair
@@ -228,8 +265,10 @@ class Engine:
         tensors = [e.tensor for e in entries]
         counts = [e.numel for e in entries]
         layout = core.layout_fingerprint(counts, [b.dtype_name(t) for t in tensors])
-        norms = b.local_norms(tensors, flat, counts, self.settings.norm, [layout, -layout])
-        return b.check_layout(b.allreduce_max(norms, name, pset))
+        with self._round.timing("quantize_s"):
+            norms = b.local_norms(tensors, flat, counts, self.settings.norm, [layout, -layout])
+        with self._round.timing("scale_wait_s"):
+            return b.check_layout(b.allreduce_max(norms, name, pset))
 
     def _send_codes(self, bucket: Bucket, flat: Any, scales: Any, name: str, pset: Any) -> None:
         """Quantize and pack the whole bucket at once; COLLECTIVE: launch the Sum allreduce."""
@@ -248,14 +287,7 @@ class Engine:
         r = self._round
         r.outstanding -= 1
         if r.outstanding == 0 and not r.queued:
-            st = self.stats
-            st.rounds += 1
-            st.tensors += r.tensors
-            st.last_uncompressed, st.last_payload, st.last_overhead = (
-                r.uncompressed, r.payload, r.overhead)
-            st.total_uncompressed += r.uncompressed
-            st.total_payload += r.payload
-            st.total_overhead += r.overhead
+            self.stats.add_round(r.figures, r.tensors)
             self._round = _Round()
             if self.backend.stable_names():
                 # Eager: restart names so Horovod's response cache sees the same ones each

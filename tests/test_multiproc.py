@@ -113,6 +113,10 @@ def test_random_inputs_within_one_step_per_rank(ranks, norm, op):
     assert stats["last_uncompressed"] == 4000
     assert stats["last_payload"] == core.wire_bytes(1000, 8) == 1000
     assert 3.5 < stats["last_ratio"] <= 4
+    assert stats["rounds"] == 1 and stats["tensors"] == 1
+    for figure in ("quantize_s", "scale_wait_s", "codes_wait_s"):  # one round: last == total
+        assert 0 <= stats[f"last_{figure}"] == stats[f"total_{figure}"] < 60
+    assert stats["last_quantize_s"] > 0 and stats["last_scale_wait_s"] > 0
 
 
 def test_mean_of_many_rounds_is_unbiased(ranks):
