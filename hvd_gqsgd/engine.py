@@ -41,7 +41,7 @@ class Backend(core.TensorOps, Protocol):
     def dtype_name(self, t: Any) -> str: ...
     def numel(self, t: Any) -> int: ...
     def nbytes(self, t: Any) -> int: ...
-    def world(self, process_set: Any) -> tuple[int, int, Any]: ...  # (rank, size, set)
+    def global_process_set(self) -> Any: ...
     def probe(self, values: Sequence[float], like: Any) -> Any: ...
     def probe_factor(self, reduced: Any, world_size: int) -> Any: ...
     # per-tensor local norm (+inf if non-finite), then ``extra``, as one float64 vector
@@ -182,7 +182,7 @@ class Engine:
         b = self.backend
         if not b.is_compressible(tensor):
             return tensor, None
-        rank, _, _ = b.world(self.process_set)
+        rank, _, _ = self._world()
         numel = b.numel(tensor)
         entry = Entry(tensor=tensor, numel=numel, nbytes=b.nbytes(tensor))
         with self._lock:
@@ -238,7 +238,7 @@ class Engine:
         r = self._round
         if not r.queued:
             return
-        rank, size, pset = self.backend.world(self.process_set)
+        rank, size, pset = self._world()
         n_levels = core.levels(self.settings.bits, size)  # re-read every flush: elastic resizes
         entries, r.queued, r.queued_bytes = r.queued, [], 0
         bucket = Bucket(entries=entries, rank=rank, world_size=size, n_levels=n_levels,
@@ -278,6 +278,15 @@ class Engine:
                          [e.numel for e in bucket.entries], level, self.settings.bits,
                          bucket.rank)
         bucket.handle = b.allreduce_sum_async(words, name, pset)
+
+    def _world(self) -> tuple[int, int, Any]:
+        """(rank, size, set) of the compressor's process set, read afresh: elastic resizes."""
+        pset = self.process_set
+        if pset is None:
+            pset = self.backend.global_process_set()
+        if not pset.included():
+            raise ValueError(f"this rank is not in GlobalQSGD's process set {pset}")
+        return pset.rank(), pset.size(), pset
 
     def _release(self, bucket: Bucket, entry: Entry) -> None:
         entry.tensor = None

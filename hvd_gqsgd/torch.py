@@ -173,11 +173,8 @@ class TorchBackend:
         return True
 
     # --- Horovod
-    def world(self, process_set: Any) -> tuple[int, int, Any]:
-        pset = hvd.global_process_set if process_set is None else process_set
-        if not pset.included():
-            raise ValueError(f"this rank is not in GlobalQSGD's process set {pset}")
-        return pset.rank(), pset.size(), pset
+    def global_process_set(self) -> Any:
+        return hvd.global_process_set
 
     def allreduce_max(self, vec: Any, name: str, process_set: Any) -> Any:
         return hvd.allreduce(vec, op=hvd.Max, name=name, process_set=process_set)
