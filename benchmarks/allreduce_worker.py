@@ -17,12 +17,14 @@ import time
 import horovod.torch as hvd
 import torch
 
-from hvd_gqsgd import GlobalQSGD
+from hvd_gqsgd import GlobalQSGD, QSGDAllgather
 
 
 def compressor(name: str):
     if name.startswith("gqsgd"):
         return GlobalQSGD(bits=int(name[5:]))
+    if name.startswith("qsgd"):  # the per-rank-scale baseline over an allgather
+        return QSGDAllgather(bits=int(name[4:]))
     return {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[name]
 
 

@@ -9,6 +9,7 @@ module; the adapter for a framework loads when the first tensor of that framewor
 
 from .compressor import GlobalQSGD
 from .core import levels, min_bits
+from .qsgd import QSGDAllgather
 
-__all__ = ["GlobalQSGD", "levels", "min_bits"]
+__all__ = ["GlobalQSGD", "QSGDAllgather", "levels", "min_bits"]
 __version__ = "0.1.0"

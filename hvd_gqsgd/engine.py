@@ -54,6 +54,7 @@ class Backend(core.TensorOps, Protocol):
     def encode(self, flat: Any, mult: Any, counts: Sequence[int], n_levels: int, bits: int,
                rank: int) -> Any: ...
     def allreduce_sum_async(self, words: Any, name: str, process_set: Any) -> Any: ...  # COLL.
+    def allgather_async(self, tensor: Any, name: str, process_set: Any) -> Any: ...  # COLL.
     def wait(self, handle: Any) -> Any: ...
     def decoder(self, words: Any, bits: int, total: int) -> Any: ...  # once per bucket
     # one tensor: lane sums at [offset, offset + numel) times scale, in like's dtype and shape

@@ -168,6 +168,9 @@ class TensorFlowBackend:
         return hvd.allreduce(words, op=hvd.Sum, name=name, process_set=process_set,
                              ignore_name_scope=True)
 
+    def allgather_async(self, tensor: Any, name: str, process_set: Any) -> Any:
+        return hvd.allgather(tensor, name=name, process_set=process_set, ignore_name_scope=True)
+
     def wait(self, handle: Any) -> Any:
         return handle  # TF runs the op asynchronously; its output is the handle
 

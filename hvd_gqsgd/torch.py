@@ -183,5 +183,8 @@ class TorchBackend:
         # in place: the words are ours, and a second buffer would cost another allocation
         return hvd.allreduce_async_(words, op=hvd.Sum, name=name, process_set=process_set)
 
+    def allgather_async(self, tensor: Any, name: str, process_set: Any) -> Any:
+        return hvd.allgather_async(tensor, name=name, process_set=process_set)
+
     def wait(self, handle: Any) -> Any:
         return hvd.synchronize(handle)

@@ -119,6 +119,18 @@ def test_random_inputs_within_one_step_per_rank(ranks, norm, op):
     assert stats["last_quantize_s"] > 0 and stats["last_scale_wait_s"] > 0
 
 
+@pytest.mark.parametrize("op", ["sum", "average"])
+def test_qsgd_allgather_baseline(ranks, op):
+    """Per-rank scales, 127 levels each: within one local step per rank of the exact sum."""
+    n = len(ranks)
+    xs = [random_input(r, 1000).astype(np.float32) for r in range(n)]
+    got = _all_equal([r["qsgd_baseline"][op] for r in ranks])
+    divisor = n if op == "average" else 1
+    bound = sum(np.abs(x).max() for x in xs) / 127 / divisor
+    err = np.abs(got - np.sum(xs, axis=0, dtype=np.float64) / divisor)
+    assert 0 < err.max() <= bound * (1 + 1e-5)
+
+
 def test_mean_of_many_rounds_is_unbiased(ranks):
     n = len(ranks)
     res = ranks[0]["unbiased"]

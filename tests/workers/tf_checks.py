@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from inputs import GRID_CASES, grid_input, random_input, training_data  # noqa: E402
 
-from hvd_gqsgd import GlobalQSGD, core  # noqa: E402
+from hvd_gqsgd import GlobalQSGD, QSGDAllgather, core  # noqa: E402
 from hvd_gqsgd.tensorflow import TensorFlowBackend, tape_sources  # noqa: E402
 
 OPS = {"sum": hvd.Sum, "average": hvd.Average}
@@ -90,6 +90,12 @@ def independent_noise(rank: int, n: int) -> dict:
     y = hvd.allreduce(tf.constant(x), op=hvd.Sum, compression=GlobalQSGD(bits=8))
     untouched = bool(np.array_equal(expected_draw, tf.random.uniform([4]).numpy()))
     return {"sum": _np(y), "global_rng_untouched": untouched}
+
+
+def qsgd_baseline(rank: int, n: int) -> dict:
+    x = tf.constant(random_input(rank, 1000), tf.float32)
+    return {op: _np(hvd.allreduce(x, op=OPS[op], compression=QSGDAllgather(bits=8)))
+            for op in ("sum", "average")}
 
 
 def seeded(rank: int, n: int) -> dict:
@@ -270,7 +276,7 @@ def process_set(rank: int, n: int, members: list[int]) -> dict:
 
 
 SCENARIOS = [packed_extremes, grid_exact, random_bounds, unbiased, independent_noise, seeded,
-             bad_inputs, errors, optimizer_grads, training, keras3_fit]
+             bad_inputs, errors, optimizer_grads, training, qsgd_baseline, keras3_fit]
 PROCESS_SETS: list = []
 
 

@@ -23,7 +23,7 @@ from inputs import (  # noqa: E402
     training_data,
 )
 
-from hvd_gqsgd import GlobalQSGD, core  # noqa: E402
+from hvd_gqsgd import GlobalQSGD, QSGDAllgather, core  # noqa: E402
 from hvd_gqsgd.torch import TorchBackend  # noqa: E402
 
 OPS = {"sum": hvd.Sum, "average": hvd.Average}
@@ -93,6 +93,12 @@ def independent_noise(rank: int, n: int) -> dict:
     y = hvd.allreduce(x, op=hvd.Sum, compression=GlobalQSGD(bits=8))
     untouched = torch.equal(state, torch.get_rng_state())
     return {"sum": _np(y), "global_rng_untouched": untouched}
+
+
+def qsgd_baseline(rank: int, n: int) -> dict:
+    x = torch.tensor(random_input(rank, 1000), dtype=torch.float32)
+    return {op: _np(hvd.allreduce(x, op=OPS[op], compression=QSGDAllgather(bits=8)))
+            for op in ("sum", "average")}
 
 
 def seeded(rank: int, n: int) -> dict:
@@ -218,7 +224,7 @@ def process_set(rank: int, n: int, members: list[int]) -> dict:
 
 
 SCENARIOS = [packed_extremes, grid_exact, random_bounds, unbiased, independent_noise, seeded,
-             bad_inputs, errors, optimizer_grads, training]
+             bad_inputs, errors, optimizer_grads, training, qsgd_baseline]
 PROCESS_SETS: list = []
 
 

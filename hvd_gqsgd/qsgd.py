@@ -1,0 +1,76 @@
+"""``QSGDAllgather``: the QSGD baseline Global-QSGD is measured against.
+
+QSGD quantizes each rank's tensor against that rank's *own* scale.  Codes with different
+scales cannot be summed as integers, so every rank must receive every other rank's codes
+(an allgather: bytes grow with the rank count) and decode them one by one.  It is here so
+users can compare both on their own clusters (``benchmarks/netbench.py`` does); the math is
+the core's, with ``L = 2**(bits-1) - 1`` levels since codes are never summed in the lanes.
+
+Example::
+
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                   compression=QSGDAllgather(bits=8))
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from . import core
+from .compressor import GlobalQSGD
+
+__all__ = ["QSGDAllgather"]
+
+
+@dataclass(eq=False)
+class _Pending:
+    """ctx of one tensor: its input and the two allgathers in flight."""
+
+    tensor: Any
+    words: Any  # handle: every rank's packed codes, concatenated
+    scales: Any  # handle: every rank's local scale
+
+
+class QSGDAllgather(GlobalQSGD):
+    """Per-rank-scale QSGD over an allgather (COLLECTIVE in ``compress``: two allgathers per
+    tensor, started there and waited for in ``decompress``).  Same arguments, op handling
+    (the probe) and bad-input behaviour as :class:`GlobalQSGD`; ``bucket_bytes`` and
+    ``norm`` are not used (scales are always local max |x|)."""
+
+    _serial = itertools.count()
+
+    def compress(self, tensor: Any) -> tuple[Any, Any]:
+        engine = self._engine_for(tensor)
+        b = engine.backend
+        if not b.is_compressible(tensor):
+            return tensor, None
+        rank, _, pset = engine._world()
+        level = (1 << (self.settings.bits - 1)) - 1
+        flat = b.flat_concat([tensor])
+        norms = b.local_norms([tensor], flat, [b.numel(tensor)], "max", [])
+        words = b.encode(flat, core.multipliers(b, norms, level), [b.numel(tensor)], level,
+                         self.settings.bits, rank)
+        name = f"qsgd.{self._uid}.{next(QSGDAllgather._serial)}"
+        ctx = _Pending(tensor, b.allgather_async(words, f"{name}.codes", pset),
+                       b.allgather_async(norms, f"{name}.scales", pset))
+        return b.probe(core.probe_values(rank), tensor), ctx
+
+    def decompress(self, tensor: Any, ctx: Any) -> Any:
+        if ctx is None:
+            return tensor
+        engine = self._engine_for(tensor)
+        b, bits = engine.backend, self.settings.bits
+        _, size, _ = engine._world()
+        factor = b.probe_factor(tensor, size)
+        level = (1 << (bits - 1)) - 1
+        words, scales = b.wait(ctx.words), b.wait(ctx.scales)
+        steps = core.step_sizes(b, scales, level)
+        per_rank = words.shape[0] // size
+        total = None
+        for r in range(size):  # decode each rank's codes with its own scale: O(n) work
+            state = b.decoder(words[r * per_rank:(r + 1) * per_rank], bits, b.numel(ctx.tensor))
+            part = b.decode(state, 0, ctx.tensor, steps[r] * factor)
+            total = part if total is None else total + part
+        return total
