@@ -18,6 +18,11 @@ TORCH_VERSION=2.13.0
 TF_VERSION=2.21.0
 CACHE_DIR=${HVD_GQSGD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_gqsgd}
 EXTRAS=${EXTRAS:-dev}
+# GPU mode (docker/Dockerfile.gpu): HOROVOD_GPU_OPERATIONS=NCCL builds Horovod's PyTorch binding
+# with CUDA and NCCL; it needs a CUDA build of torch (pick its index with PIP_EXTRA_INDEX_URL).
+# Horovod 0.28.1's TensorFlow GPU kernels call stream_executor::gpu::AsGpuStreamValue, which
+# TF 2.21 no longer has, so a GPU build leaves the TensorFlow binding out.  Unset: CPU only.
+GPU_OPS=${HOROVOD_GPU_OPERATIONS:-}
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 # pip warns once per package about this machine's file:// index mirrors; keep real errors.
@@ -64,11 +69,13 @@ PYEOF
 }
 
 horovod_ok() {
+  local torch_built="h.mpi_built() and h.gloo_built()"
+  [ -z "$GPU_OPS" ] || torch_built+=" and h.nccl_built()"
   # Each framework binding in its own process: importing both in one is the import-order trap.
-  "$PY" -c "import horovod.torch as h; assert h.mpi_built() and h.gloo_built()" \
-    >/dev/null 2>&1 &&
-  TF_CPP_MIN_LOG_LEVEL=3 "$PY" -c "import horovod.tensorflow as h; assert h.mpi_built() and h.gloo_built()" \
-    >/dev/null 2>&1 &&
+  "$PY" -c "import horovod.torch as h; assert $torch_built" >/dev/null 2>&1 &&
+  { [ -n "$GPU_OPS" ] ||
+    TF_CPP_MIN_LOG_LEVEL=3 "$PY" -c "import horovod.tensorflow as h; assert h.mpi_built() and h.gloo_built()" \
+      >/dev/null 2>&1; } &&
   "$PY" -c "import horovod; assert horovod.__version__ == '$HOROVOD_VERSION'" >/dev/null 2>&1
 }
 
@@ -87,9 +94,11 @@ build_horovod() {
   # xla_mpi_ops.cc includes highwayhash headers that TF no longer ships; it is only needed
   # for XLA-compiled Horovod ops, which hvd_gqsgd does not use.
   sed -i '/xla_mpi_ops.cc/d' "$dir/horovod/tensorflow/CMakeLists.txt"
+  local tf_binding=HOROVOD_WITH_TENSORFLOW=1
+  [ -z "$GPU_OPS" ] || tf_binding=HOROVOD_WITHOUT_TENSORFLOW=1
   (
     cd "$dir"
-    export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 \
+    export HOROVOD_WITH_PYTORCH=1 "$tf_binding" HOROVOD_WITH_MPI=1 \
       HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=${HOROVOD_CPU_OPERATIONS:-MPI} \
       CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS="-j$(nproc)"
     export PATH="$VENV/bin:$PATH"
@@ -99,12 +108,34 @@ build_horovod() {
   cp "$src"/wheel/horovod-*.whl "$out.tmp" && mv "$out.tmp" "$out"
 }
 
+check_gpu_mode() {
+  [ -n "$GPU_OPS" ] || return 0
+  if [ "$GPU_OPS" != NCCL ]; then
+    log "HOROVOD_GPU_OPERATIONS=$GPU_OPS: only NCCL (or unset, for CPU only) is supported here"
+    exit 1
+  fi
+  if ! "$PY" -c "import torch; assert torch.version.cuda" >/dev/null 2>&1; then
+    log "HOROVOD_GPU_OPERATIONS=NCCL needs a CUDA build of torch, but $VENV has" \
+      "$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null); install torch from a" \
+      "CUDA index (PIP_EXTRA_INDEX_URL), or unset HOROVOD_GPU_OPERATIONS for a CPU build"
+    exit 1
+  fi
+}
+
+gpu_key() {
+  # A GPU build is another wheel: key it by GPU ops and the CUDA toolkit it is compiled with.
+  [ -n "$GPU_OPS" ] || return 0
+  printf -- '-gpu%s-cuda%s' "$GPU_OPS" \
+    "$(nvcc --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\),.*/\1/p')"
+}
+
 ensure_horovod() {
   if horovod_ok; then
     return
   fi
+  check_gpu_mode
   local key whl
-  key=$(wheel_key)
+  key=$(wheel_key)$(gpu_key)
   whl="$CACHE_DIR/$key/horovod-$HOROVOD_VERSION-cp$("$PY" -c 'import sys;print("%d%d"%sys.version_info[:2])')-none-any.whl"
   if [ -f "$whl" ]; then
     log "using cached Horovod wheel $whl"
