@@ -62,6 +62,10 @@ class GlobalQSGD:
         bucket_bytes: if > 0, quantize and send queued tensors as soon as this many input
             bytes are queued (costs one blocking scale exchange per bucket), instead of
             when the first result is needed.
+        chunk_bytes: packed bytes per Sum allreduce (default 1 MiB, i.e. 4 MiB of fp32
+            gradient at ``bits=8``).  A larger bucket is quantized and sent chunk by chunk, so
+            Horovod's background thread puts chunk k on the wire while chunk k+1 is being
+            quantized; 0 sends each bucket as one allreduce.
 
     .. warning::
         * **Op.** Any ``op`` that sums works: ``Average`` (the default), ``Sum``, and
@@ -80,8 +84,10 @@ class GlobalQSGD:
     _instances = itertools.count()
 
     def __init__(self, bits: int = 8, norm: str = "max", seed: int | None = None,
-                 process_set: Any = None, bucket_bytes: int = 0) -> None:
-        self.settings = core.Settings(bits=bits, norm=norm, seed=seed, bucket_bytes=bucket_bytes)
+                 process_set: Any = None, bucket_bytes: int = 0,
+                 chunk_bytes: int = core.DEFAULT_CHUNK_BYTES) -> None:
+        self.settings = core.Settings(bits=bits, norm=norm, seed=seed, bucket_bytes=bucket_bytes,
+                                      chunk_bytes=chunk_bytes)
         self.process_set = process_set
         self._uid = next(GlobalQSGD._instances)
         self._engines: dict[str, Engine] = {}  # framework name -> its engine

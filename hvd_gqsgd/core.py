@@ -44,6 +44,7 @@ __all__ = [
     "MAX_BITS",
     "WORD_BITS",
     "NORMS",
+    "DEFAULT_CHUNK_BYTES",
     "Settings",
     "TensorOps",
     "levels",
@@ -51,6 +52,8 @@ __all__ = [
     "lanes_per_word",
     "packed_words",
     "wire_bytes",
+    "Chunk",
+    "chunk_plan",
     "PROBE_BYTES",
     "scale_exchange_bytes",
     "rank_seed",
@@ -70,6 +73,8 @@ MIN_BITS = 2
 MAX_BITS = 16
 WORD_BITS = 64
 NORMS = ("max", "l2")
+# Packed bytes per Sum allreduce of a large bucket (Settings.chunk_bytes); see docs/BENCHMARKS.md
+DEFAULT_CHUNK_BYTES = 1 << 20
 
 
 def levels(bits: int, world_size: int) -> int:
@@ -108,6 +113,47 @@ def packed_words(numel: int, bits: int) -> int:
 def wire_bytes(numel: int, bits: int) -> int:
     """Bytes of packed payload that ``numel`` codes put on the wire (per rank, per allreduce)."""
     return packed_words(numel, bits) * (WORD_BITS // 8)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Elements ``[lo, hi)`` of a bucket's flat buffer, packed and summed on their own.
+
+    ``first:stop`` are the bucket's tensors that the chunk touches and ``counts`` how many of
+    each tensor's elements it holds, so ``encode(flat[lo:hi], mult[first:stop], counts)``
+    produces exactly the words ``[lo // K, ceil(hi / K))`` of packing the whole bucket.
+    """
+
+    lo: int
+    hi: int
+    first: int
+    stop: int
+    counts: tuple[int, ...]
+
+
+def chunk_plan(counts: Sequence[int], bits: int, chunk_bytes: int) -> list[Chunk]:
+    """Split a bucket of tensors with ``counts`` elements into chunks of about ``chunk_bytes``
+    packed bytes, cut at word boundaries (so the chunks' words concatenate to the bucket's
+    words).  ``chunk_bytes == 0`` or a bucket that fits in one chunk gives a single chunk."""
+    total = sum(counts)
+    step = total
+    if chunk_bytes > 0:
+        step = max(1, chunk_bytes // (WORD_BITS // 8)) * lanes_per_word(bits)
+    ends = [0]
+    for c in counts:
+        ends.append(ends[-1] + c)
+    plan, lo, first = [], 0, 0
+    while lo < total:
+        hi = min(total, lo + step)
+        while ends[first + 1] <= lo:  # skip tensors that end before this chunk (and empties)
+            first += 1
+        stop, parts = first, []
+        while stop < len(counts) and ends[stop] < hi:
+            parts.append(min(hi, ends[stop + 1]) - max(lo, ends[stop]))
+            stop += 1
+        plan.append(Chunk(lo, hi, first, stop, tuple(parts)))
+        lo = hi
+    return plan
 
 
 PROBE_BYTES = 16  # the float64 pair each tensor sends through Horovod's own allreduce
@@ -151,12 +197,16 @@ class Settings:
         seed: ``None`` for OS-seeded rounding noise, or an int >= 0 for reproducible noise.
         bucket_bytes: flush the pending tensors early once this many input bytes are queued
             (0 = flush only when the first result is needed).
+        chunk_bytes: send a bucket's packed codes as Sum allreduces of about this many bytes
+            each, so that quantizing one chunk overlaps sending the previous (0 = one
+            allreduce per bucket).
     """
 
     bits: int = 8
     norm: str = "max"
     seed: int | None = None
     bucket_bytes: int = 0
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, int):
@@ -176,6 +226,10 @@ class Settings:
             self.bucket_bytes < 0
         ):
             raise ValueError(f"bucket_bytes must be an int >= 0, got {self.bucket_bytes!r}")
+        if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int) or (
+            self.chunk_bytes < 0
+        ):
+            raise ValueError(f"chunk_bytes must be an int >= 0, got {self.chunk_bytes!r}")
 
 
 # --------------------------------------------------------------------------- tensor ops

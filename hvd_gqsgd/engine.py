@@ -10,8 +10,11 @@ Life of a round (all ranks must make the same calls in the same order)::
     [bucket full -> flush]              optional early flush (Settings.bucket_bytes)
     decompress(probe1, ctx1)            first result needed -> flush what is queued:
                                           1. COLLECTIVE  MAX allreduce of local norms + layout
-                                          2. quantize + pack all queued tensors at once
-                                          3. COLLECTIVE  async Sum allreduce of the int64 words
+                                          2. quantize + pack one chunk of the queued
+                                             tensors (Settings.chunk_bytes of words)
+                                          3. COLLECTIVE  async Sum allreduce of its words;
+                                             repeat 2-3 per chunk: Horovod's background
+                                             thread sends chunk k while chunk k+1 is packed
                                         then wait, unpack once per bucket, rescale tensor 1
     decompress(probe_k, ctx_k)          rescale from the already-unpacked bucket
     (all results taken -> the round ends; in eager mode collective names restart, so
@@ -56,6 +59,7 @@ class Backend(core.TensorOps, Protocol):
     def allreduce_sum_async(self, words: Any, name: str, process_set: Any) -> Any: ...  # COLL.
     def allgather_async(self, tensor: Any, name: str, process_set: Any) -> Any: ...  # COLL.
     def wait(self, handle: Any) -> Any: ...
+    def concat_words(self, words: Sequence[Any]) -> Any: ...  # int64 chunks, in order
     def decoder(self, words: Any, bits: int, total: int) -> Any: ...  # once per bucket
     # one tensor: lane sums at [offset, offset + numel) times scale, in like's dtype and shape
     def decode(self, state: Any, offset: int, like: Any, scale: Any) -> Any: ...
@@ -135,7 +139,7 @@ class Bucket:
     world_size: int
     n_levels: int
     steps: Any = None  # value of one summed code per entry (s / L), float64 on the device
-    handle: Any = None  # pending Sum allreduce of packed words
+    handles: list[Any] = field(default_factory=list)  # pending Sum allreduces, one per chunk
     decoded: Any = None  # Backend.decoder() state, once the Sum allreduce is waited for
     remaining: int = 0
     total: int = 0
@@ -216,10 +220,11 @@ class Engine:
                 r = self._round
                 if bucket.decoded is None:
                     with r.timing("codes_wait_s"):
-                        words = b.wait(bucket.handle)
+                        chunks = [b.wait(h) for h in bucket.handles]
                     with r.timing("quantize_s"):
+                        words = chunks[0] if len(chunks) == 1 else b.concat_words(chunks)
                         bucket.decoded = b.decoder(words, self.settings.bits, bucket.total)
-                    bucket.handle = None
+                    bucket.handles = []
                 factor = b.probe_factor(reduced_probe, bucket.world_size)
                 with r.timing("quantize_s"):
                     out = b.decode(bucket.decoded, ctx.offset, ctx.tensor,
@@ -272,13 +277,20 @@ class Engine:
             return b.check_layout(b.allreduce_max(norms, name, pset))
 
     def _send_codes(self, bucket: Bucket, flat: Any, scales: Any, name: str, pset: Any) -> None:
-        """Quantize and pack the whole bucket at once; COLLECTIVE: launch the Sum allreduce."""
-        b, level = self.backend, bucket.n_levels
+        """Quantize and pack the bucket chunk by chunk; COLLECTIVE: launch each chunk's Sum
+        allreduce as soon as it is packed, so the wire works while the next chunk is packed."""
+        b, level, bits = self.backend, bucket.n_levels, self.settings.bits
         bucket.steps = core.step_sizes(b, scales, level)
-        words = b.encode(flat, core.multipliers(b, scales, level),
-                         [e.numel for e in bucket.entries], level, self.settings.bits,
-                         bucket.rank)
-        bucket.handle = b.allreduce_sum_async(words, name, pset)
+        mult = core.multipliers(b, scales, level)
+        plan = core.chunk_plan([e.numel for e in bucket.entries], bits,
+                               self.settings.chunk_bytes)
+        for i, c in enumerate(plan):
+            whole = len(plan) == 1
+            words = b.encode(flat if whole else flat[c.lo:c.hi],
+                             mult if whole else mult[c.first:c.stop], c.counts, level, bits,
+                             bucket.rank)
+            bucket.handles.append(
+                b.allreduce_sum_async(words, name if whole else f"{name}{i}", pset))
 
     def _world(self) -> tuple[int, int, Any]:
         """(rank, size, set) of the compressor's process set, read afresh: elastic resizes."""

@@ -36,8 +36,8 @@ class _Pending:
 class QSGDAllgather(GlobalQSGD):
     """Per-rank-scale QSGD over an allgather (COLLECTIVE in ``compress``: two allgathers per
     tensor, started there and waited for in ``decompress``).  Same arguments, op handling
-    (the probe) and bad-input behaviour as :class:`GlobalQSGD`; ``bucket_bytes`` and
-    ``norm`` are not used (scales are always local max |x|)."""
+    (the probe) and bad-input behaviour as :class:`GlobalQSGD`; ``bucket_bytes``,
+    ``chunk_bytes`` and ``norm`` are not used (scales are always local max |x|)."""
 
     _serial = itertools.count()
 

@@ -174,6 +174,9 @@ class TensorFlowBackend:
     def wait(self, handle: Any) -> Any:
         return handle  # TF runs the op asynchronously; its output is the handle
 
+    def concat_words(self, words: Sequence[Any]) -> Any:
+        return tf.concat(list(words), 0)
+
 
 def _static_numel(t: Any) -> int:
     return int(t.shape.num_elements())

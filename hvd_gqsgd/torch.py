@@ -188,3 +188,6 @@ class TorchBackend:
 
     def wait(self, handle: Any) -> Any:
         return hvd.synchronize(handle)
+
+    def concat_words(self, words: Sequence[Any]) -> Any:
+        return torch.cat(list(words))

@@ -114,6 +114,43 @@ def test_packed_sum_property(bits, n, numel, seed):
     np.testing.assert_array_equal(_sum_through_packing(codes, bits), codes.sum(axis=0))
 
 
+@settings(max_examples=300, deadline=None)
+@given(bits=st.integers(core.MIN_BITS, core.MAX_BITS),
+       counts=st.lists(st.integers(1, 90), min_size=1, max_size=6),
+       chunk_bytes=st.integers(0, 100), seed=st.integers(0, 2 ** 31))
+def test_chunked_encoding_concatenates_to_the_whole_bucket(bits, counts, chunk_bytes, seed):
+    """Chunks cover the bucket in order, cut at word boundaries, and packing them one by one
+    gives exactly the words of packing the bucket at once (same noise)."""
+    ops, level = NumpyOps(), core.levels(bits, 1)
+    rng = np.random.default_rng(seed)
+    flat = rng.normal(size=sum(counts))
+    mult = rng.uniform(0.5, 2.0, size=len(counts)) * level / (np.abs(flat).max() + 1e-9)
+    noise = rng.uniform(size=flat.size)
+    whole = core.encode(ops, flat, np.repeat(mult, counts), noise, level, bits)
+    plan = core.chunk_plan(counts, bits, chunk_bytes)
+    assert plan[0].lo == 0 and plan[-1].hi == flat.size
+    lanes = core.lanes_per_word(bits)
+    for a, b in zip(plan, plan[1:]):
+        assert a.hi == b.lo and a.hi % lanes == 0
+    if chunk_bytes:
+        assert all(c.hi - c.lo <= max(1, chunk_bytes // 8) * lanes for c in plan)
+    else:
+        assert len(plan) == 1
+    parts = []
+    for c in plan:
+        assert sum(c.counts) == c.hi - c.lo and len(c.counts) == c.stop - c.first
+        parts.append(core.encode(ops, flat[c.lo:c.hi], np.repeat(mult[c.first:c.stop], c.counts),
+                                 noise[c.lo:c.hi], level, bits))
+    np.testing.assert_array_equal(np.concatenate(parts), whole)
+
+
+def test_chunk_plan_splits_tensors_across_chunks():
+    # bits=8: 8 lanes per word; 16 bytes = 2 words = 16 elements per chunk
+    plan = core.chunk_plan([10, 30, 4], 8, 16)
+    assert [(c.lo, c.hi, c.first, c.stop, c.counts) for c in plan] == [
+        (0, 16, 0, 2, (10, 6)), (16, 32, 1, 2, (16,)), (32, 44, 1, 3, (8, 4))]
+
+
 @pytest.mark.parametrize("bits", BITS)
 def test_wire_bytes(bits):
     k = 64 // bits
@@ -211,6 +248,8 @@ def test_probe_rejects_non_sum_reductions(n, op):
     ({"norm": "l1"}, "norm must be one of"),
     ({"seed": -1}, "seed must be None or an int"),
     ({"bucket_bytes": -5}, "bucket_bytes must be"),
+    ({"chunk_bytes": -1}, "chunk_bytes must be"),
+    ({"chunk_bytes": 1.5}, "chunk_bytes must be"),
 ])
 def test_settings_reject_bad_values(kwargs, message):
     from hvd_gqsgd import GlobalQSGD

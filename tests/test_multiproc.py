@@ -192,6 +192,25 @@ def test_bad_inputs(ranks):
     assert np.abs(neighbour - np.sum(clean, axis=0)).max() <= n * _step(clean, 8) * (1 + 1e-5)
 
 
+CHUNKED_NUMELS = (70, 200, 45)  # as in the workers' chunked(): tensors span several chunks
+
+
+def test_chunked_sends_sum_exactly_and_stay_within_one_step(ranks):
+    n = len(ranks)
+    res = [r["chunked"] for r in ranks]
+    assert len(CHUNKED_NUMELS) == len(res[0]["exact"])
+    for i, numel in enumerate(CHUNKED_NUMELS):
+        exact = np.sum([grid_input(r, n, 8, numel) for r in range(n)], axis=0)
+        np.testing.assert_array_equal(_all_equal([r["exact"][i] for r in res]), exact)
+        xs = [random_input(r, numel) for r in range(n)]
+        got = _all_equal([r["mean"][i] for r in res])
+        bound = _step(xs, 4) * (1 + 1e-5) + 1e-6  # n steps of s/L on the sum, divided by n
+        assert np.abs(got - np.mean(xs, axis=0)).max() <= bound, numel
+    # chunking changes how the words travel, not how many
+    total = sum(CHUNKED_NUMELS)
+    assert res[0]["stats"]["last_payload"] == core.wire_bytes(total, 8)
+
+
 def test_unsupported_ops_and_too_few_bits_raise(ranks):
     n = len(ranks)
     for r in ranks:

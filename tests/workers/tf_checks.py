@@ -275,8 +275,26 @@ def process_set(rank: int, n: int, members: list[int]) -> dict:
     return {"member": True, "sum": _np(y)}
 
 
+def chunked(rank: int, n: int) -> dict:
+    """Tensors sent in chunks smaller than themselves (chunk_bytes of 2-3 words); the
+    Average case runs inside tf.function."""
+    grids = [tf.constant(grid_input(rank, n, 8, numel), tf.float32) for numel in CHUNKED_NUMELS]
+    comp = GlobalQSGD(bits=8, chunk_bytes=16)
+    exact = [_np(t) for t in hvd.grouped_allreduce(grids, op=hvd.Sum, compression=comp)]
+    rand = [tf.constant(random_input(rank, numel), tf.float32) for numel in CHUNKED_NUMELS]
+    comp4 = GlobalQSGD(bits=4, chunk_bytes=24)
+
+    @tf.function
+    def mean_of(xs):
+        return hvd.grouped_allreduce(xs, op=hvd.Average, compression=comp4)
+
+    mean = [_np(t) for t in mean_of(rand)]
+    return {"exact": exact, "mean": mean, "stats": comp.stats.as_dict()}
+
+
+CHUNKED_NUMELS = (70, 200, 45)
 SCENARIOS = [packed_extremes, grid_exact, random_bounds, unbiased, independent_noise, seeded,
-             bad_inputs, errors, optimizer_grads, training, qsgd_baseline, keras3_fit]
+             bad_inputs, errors, optimizer_grads, training, qsgd_baseline, keras3_fit, chunked]
 PROCESS_SETS: list = []
 
 

@@ -223,8 +223,22 @@ def process_set(rank: int, n: int, members: list[int]) -> dict:
     return {"member": True, "sum": _np(y)}
 
 
+def chunked(rank: int, n: int) -> dict:
+    """Tensors sent in chunks smaller than themselves (chunk_bytes of 2-3 words)."""
+    grids = [torch.tensor(grid_input(rank, n, 8, numel), dtype=torch.float32)
+             for numel in CHUNKED_NUMELS]
+    comp = GlobalQSGD(bits=8, chunk_bytes=16)
+    exact = [_np(t) for t in hvd.grouped_allreduce(grids, op=hvd.Sum, compression=comp)]
+    rand = [torch.tensor(random_input(rank, numel), dtype=torch.float32)
+            for numel in CHUNKED_NUMELS]
+    comp4 = GlobalQSGD(bits=4, chunk_bytes=24)
+    mean = [_np(t) for t in hvd.grouped_allreduce(rand, op=hvd.Average, compression=comp4)]
+    return {"exact": exact, "mean": mean, "stats": comp.stats.as_dict()}
+
+
+CHUNKED_NUMELS = (70, 200, 45)
 SCENARIOS = [packed_extremes, grid_exact, random_bounds, unbiased, independent_noise, seeded,
-             bad_inputs, errors, optimizer_grads, training, qsgd_baseline]
+             bad_inputs, errors, optimizer_grads, training, qsgd_baseline, chunked]
 PROCESS_SETS: list = []
 
 
