@@ -33,7 +33,7 @@ bench: setup
 	$(PY) benchmarks/netbench.py 2>&1 | $(TF_NOISE)
 
 lint: setup
-	$(VENV)/bin/ruff check hvd_gqsgd tests examples
+	$(VENV)/bin/ruff check hvd_gqsgd tests examples benchmarks scripts
 	$(VENV)/bin/mypy hvd_gqsgd
 
 clean:
