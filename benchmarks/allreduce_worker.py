@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import statistics
 import time
 
@@ -20,9 +22,12 @@ import torch
 from hvd_gqsgd import GlobalQSGD, QSGDAllgather
 
 
-def compressor(name: str):
-    if name.startswith("gqsgd"):
-        return GlobalQSGD(bits=int(name[5:]))
+def compressor(name: str, process_set=None):
+    """``none``, ``fp16``, ``qsgd<bits>`` or ``gqsgd<bits>[@<chunk KiB>k]``."""
+    m = re.fullmatch(r"gqsgd(\d+)(?:@(\d+)k)?", name)
+    if m:
+        chunk = {} if m.group(2) is None else {"chunk_bytes": int(m.group(2)) * 1024}
+        return GlobalQSGD(bits=int(m.group(1)), process_set=process_set, **chunk)
     if name.startswith("qsgd"):  # the per-rank-scale baseline over an allgather
         return QSGDAllgather(bits=int(name[4:]))
     return {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[name]
@@ -59,7 +64,7 @@ def main() -> None:
                            args.repeats, name)
         if name.startswith("gqsgd"):
             mine = alone[hvd.rank()]
-            local = GlobalQSGD(bits=int(name[5:]), process_set=mine)
+            local = compressor(name, process_set=mine)
             rows[f"local_{name}"] = timed(
                 lambda c=local, ps=mine: hvd.allreduce(x, compression=c, process_set=ps),
                 args.repeats, f"local_{name}")
@@ -70,9 +75,12 @@ def main() -> None:
 
 
 def hvd_size_from_env() -> int:
-    import os
-
-    return int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    """World size before hvd.init (process sets must be declared at init): mpirun's or
+    horovodrun's variable."""
+    for var in ("OMPI_COMM_WORLD_SIZE", "HOROVOD_SIZE", "PMI_SIZE"):
+        if var in os.environ:
+            return int(os.environ[var])
+    raise RuntimeError("run under mpirun or horovodrun: no world size in the environment")
 
 
 if __name__ == "__main__":
