@@ -4,7 +4,14 @@ GlobalQSGD(bits=8), and print what compression bought.
     horovodrun --gloo -np 2 -H localhost:2 python examples/torch_digits.py
 
 The data (1,797 real 8x8 digits) ships with scikit-learn, so nothing is downloaded.  Each rank
-trains on its own shard; the test set is the same on every rank.
+trains on its own shard; the 360 test digits are the same on every rank.  More compressors and
+seeds, with the loss curves written out (docs/CONVERGENCE.md is made this way)::
+
+    horovodrun --gloo -np 2 -H localhost:2 python examples/torch_digits.py \\
+        --variants none,fp16,gq8,gq4,gq4:l2 --seeds 0,1,2 --csv digits.csv --png digits.png
+
+Every compressor trains from the same initial weights and sees the same batches for a given
+seed, with identical hyper-parameters, so differences come from the compression alone.
 """
 
 from __future__ import annotations
@@ -15,94 +22,165 @@ import time
 import horovod.torch as hvd
 import numpy as np
 import torch
+from _common import (
+    add_common_args,
+    build_compressor,
+    group_runs,
+    make_progress,
+    parse_variants,
+    print_table,
+    rank_seed,
+    say,
+    seeds_of,
+    settings_of,
+    write_outputs,
+)
 from sklearn.datasets import load_digits
 
 from hvd_gqsgd import GlobalQSGD
 
+N_TEST = 360
+
 
 def shard(rank: int, size: int):
+    """(x_train, y_train) of this rank, (x_test, y_test) shared.  Every shard has the same
+    length, so all ranks take the same number of steps (a rank with one more batch would wait
+    forever in its extra allreduce)."""
     digits = load_digits()
     x = (digits.data / 16.0).astype(np.float32)
     y = digits.target.astype(np.int64)
     order = np.random.default_rng(0).permutation(len(x))
-    test, train = order[:360], order[360:]
-    mine = train[rank::size]
+    test, train = order[:N_TEST], order[N_TEST:]
+    mine = train[rank::size][:len(train) // size]
     as_t = torch.from_numpy
     return as_t(x[mine]), as_t(y[mine]), as_t(x[test]), as_t(y[test])
 
 
-def model() -> torch.nn.Module:
-    torch.manual_seed(0)
+def model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
                                torch.nn.Linear(256, 256), torch.nn.ReLU(),
                                torch.nn.Linear(256, 10))
 
 
-def train(compression, data, epochs: int, batch: int) -> dict:
-    xtr, ytr, xte, yte = data
-    net = model()
-    hvd.broadcast_parameters(net.state_dict(), root_rank=0)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
-                                   named_parameters=net.named_parameters(),
-                                   compression=compression)
-    grad_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
-    gen = torch.Generator().manual_seed(hvd.rank())
-    steps, start = 0, time.perf_counter()
-    for _ in range(epochs):
-        perm = torch.randperm(len(xtr), generator=gen)
-        for i in range(0, len(perm) - batch + 1, batch):
-            idx = perm[i:i + batch]
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(net(xtr[idx]), ytr[idx]).backward()
-            opt.step()
-            steps += 1
-    wall = time.perf_counter() - start
+def log_point(step: int, train_loss: float | None, net, xte, yte) -> dict:
     with torch.no_grad():
         logits = net(xte)
         loss = float(torch.nn.functional.cross_entropy(logits, yte))
         acc = float((logits.argmax(1) == yte).float().mean())
+    return {"step": step, "train_loss": train_loss, "test_loss": loss, "test_acc": acc}
+
+
+def mean_over_ranks(total: float, count: int) -> float:
+    """COLLECTIVE: the mean training loss of an epoch over all ranks' batches."""
+    summed = hvd.allreduce(torch.tensor([total, count], dtype=torch.float64), op=hvd.Sum,
+                           name="digits.train_loss")
+    return float(summed[0] / summed[1])
+
+
+def train(variant, seed: int, data, args, bar) -> dict:
+    xtr, ytr, xte, yte = data
+    net = model(seed)
+    hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+    compression = build_compressor(variant, hvd, seed)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9),
+                                   named_parameters=net.named_parameters(),
+                                   compression=compression)
+    gen = torch.Generator().manual_seed(rank_seed(seed, hvd.rank()))
+    curve = [log_point(0, None, net, xte, yte)]
+    steps, start = 0, time.perf_counter()
+    for _ in range(args.epochs):
+        perm = torch.randperm(len(xtr), generator=gen)
+        total = 0.0
+        for i in range(0, len(perm) - args.batch + 1, args.batch):
+            idx = perm[i:i + args.batch]
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(net(xtr[idx]), ytr[idx])
+            loss.backward()
+            opt.step()
+            total += loss.item()
+            steps += 1
+            bar.update()
+        epoch_steps = steps - curve[-1]["step"]
+        curve.append(log_point(steps, mean_over_ranks(total, epoch_steps), net, xte, yte))
+        bar.set_postfix_str(f"test loss {curve[-1]['test_loss']:.3f}")
+    wall = time.perf_counter() - start
+    fp32_bytes = sum(p.numel() * 4 for p in net.parameters())
     extra = {}
     if isinstance(compression, GlobalQSGD):
         st = compression.stats
         wire = (st.total_payload + st.total_overhead) / st.rounds
         extra = {"quantize_ms": 1e3 * st.total_quantize_s / st.rounds,
                  "scale_wait_ms": 1e3 * st.total_scale_wait_s / st.rounds}
-    else:
-        wire = grad_bytes  # plus Horovod's own framing, the same for both
-    return {"acc": acc, "loss": loss, "wire": wire, "wall": wall, "steps": steps, **extra}
+    else:  # plus Horovod's own framing, the same for every compressor
+        wire = fp32_bytes / 2 if variant.kind == "fp16" else fp32_bytes
+    return {"spec": variant.spec, "label": variant.label, "seed": seed, "steps": steps,
+            "test_acc": curve[-1]["test_acc"], "test_loss": curve[-1]["test_loss"],
+            "bytes_per_step": wire, "bytes_vs_fp32": fp32_bytes / wire, "wall_s": wall,
+            **extra, "curve": curve}
+
+
+COLUMNS = [("test acc", "test_acc", ".4f", 10, ""), ("test loss", "test_loss", ".4f", 11, ""),
+           ("bytes/step", "bytes_per_step", ",.0f", 12, ""),
+           ("vs fp32", "bytes_vs_fp32", ".2f", 9, "x"), ("wall s", "wall_s", ".2f", 8, "")]
+
+
+def report(runs: list[dict], args) -> None:
+    """Rank 0: the comparison table, then what each GlobalQSGD setting bought."""
+    groups = group_runs(runs)
+    seeds = seeds_of(args.seeds)
+    print(f"\nhvd_gqsgd demo: digits MLP, {hvd.size()} ranks, {args.epochs} epochs, "
+          f"{runs[0]['steps']} steps per run" + (f", seeds {args.seeds}" if len(seeds) > 1
+                                                 else ""))
+    print_table(runs, COLUMNS)
+    if len(seeds) > 1:
+        print("(mean±std over seeds; test acc/loss on the 360 held-out digits)")
+    base = groups.get("none")
+    for group in groups.values():
+        if base is None or "quantize_ms" not in group[0]:
+            continue
+        ratio = np.mean([r["bytes_vs_fp32"] for r in group])
+        delta = 100 * np.mean([g["test_acc"] - b["test_acc"] for g, b in zip(group, base)])
+        print(f"\n{group[0]['label']} sent {ratio:.2f}x fewer gradient bytes per step per rank; "
+              f"test accuracy {delta:+.2f} points vs fp32.")
+        print(f"Per step it spent {np.mean([r['quantize_ms'] for r in group]):.2f} ms "
+              f"quantizing and {np.mean([r['scale_wait_ms'] for r in group]):.2f} ms waiting "
+              "on the scale exchange (GlobalQSGD.stats).")
+    print("Wall time here is loopback on one machine, where bandwidth is free; the byte "
+          "saving pays off on real links.")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--bits", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=32, help="batch size per rank")
+    parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (momentum 0.9)")
+    parser.add_argument("--bits", type=int, default=8,
+                        help="GlobalQSGD bits of the default comparison (--variants none,gq8)")
+    add_common_args(parser, default_variants=None, variants_help="none,gq<--bits>")
     args = parser.parse_args()
+    variants = parse_variants(args.variants or f"none,gq{args.bits}")
     hvd.init()
     torch.set_num_threads(1)
     data = shard(hvd.rank(), hvd.size())
-    runs = {
-        "fp32 (none)": train(hvd.Compression.none, data, args.epochs, args.batch),
-        f"GlobalQSGD({args.bits})": train(GlobalQSGD(bits=args.bits), data, args.epochs,
-                                          args.batch),
-    }
+    jobs = [(seed, v) for seed in seeds_of(args.seeds) for v in variants]
+    bar = make_progress(len(jobs) * args.epochs * (len(data[0]) // args.batch), hvd.rank(),
+                        args.progress)
+    runs = []
+    for k, (seed, variant) in enumerate(jobs, 1):
+        bar.set_description_str(f"{variant.label} seed {seed}")
+        runs.append(train(variant, seed, data, args, bar))
+        if hvd.rank() == 0:
+            r = runs[-1]
+            say(bar, f"run {k}/{len(jobs)}: {r['label']}, seed {seed}: test acc "
+                     f"{r['test_acc']:.4f}, test loss {r['test_loss']:.4f} ({r['wall_s']:.1f} s)")
+    bar.close()
     if hvd.rank() == 0:
-        base = runs["fp32 (none)"]
-        print(f"\nhvd_gqsgd demo: digits MLP, {hvd.size()} ranks, {args.epochs} epochs, "
-              f"{base['steps']} steps per run")
-        print(f"{'run':<16}{'test acc':>10}{'test loss':>11}{'bytes/step':>12}"
-              f"{'vs fp32':>9}{'wall s':>8}")
-        for name, r in runs.items():
-            print(f"{name:<16}{r['acc']:>10.4f}{r['loss']:>11.4f}{r['wire']:>12,.0f}"
-                  f"{base['wire'] / r['wire']:>8.2f}x{r['wall']:>8.2f}")
-        gq = runs[f"GlobalQSGD({args.bits})"]
-        print(f"\nGlobalQSGD sent {base['wire'] / gq['wire']:.2f}x fewer gradient bytes per step "
-              f"per rank; test accuracy {100 * (gq['acc'] - base['acc']):+.2f} points vs fp32.")
-        print(f"Per step it spent {gq['quantize_ms']:.2f} ms quantizing and "
-              f"{gq['scale_wait_ms']:.2f} ms waiting on the scale exchange "
-              "(GlobalQSGD.stats).")
-        print("Wall time here is loopback on one machine, where bandwidth is free; the byte "
-              "saving pays off on real links.")
+        report(runs, args)
+        write_outputs(args, {"experiment": "digits_torch", "world_size": hvd.size(),
+                             "title": f"PyTorch MLP on sklearn digits, {hvd.size()} ranks",
+                             "metric": "test_loss", "settings": settings_of(args),
+                             "runs": runs}, ylabel="test loss (360 held-out digits)")
     hvd.shutdown()
 
 
