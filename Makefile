@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 export OMP_NUM_THREADS ?= 1
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: setup test demo bench lint clean
+.PHONY: setup test demo bench convergence lint clean
 
 setup:
 	@VENV=$(VENV) bash scripts/setup_env.sh
@@ -31,6 +31,11 @@ demo: setup
 # Bandwidth benchmark on emulated hosts (root): writes docs/BENCHMARKS.md and the plot.
 bench: setup
 	$(PY) benchmarks/netbench.py 2>&1 | $(TF_NOISE)
+
+# Convergence sweep (digits in PyTorch and TF, char-level LM; 2 and 4 ranks; 3 seeds):
+# writes docs/CONVERGENCE.md and docs/convergence_*.png.
+convergence: setup
+	$(PY) benchmarks/convergence.py 2>&1 | $(TF_NOISE)
 
 lint: setup
 	$(VENV)/bin/ruff check hvd_gqsgd tests examples benchmarks scripts
