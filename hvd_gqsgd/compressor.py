@@ -66,6 +66,11 @@ class GlobalQSGD:
             gradient at ``bits=8``).  A larger bucket is quantized and sent chunk by chunk, so
             Horovod's background thread puts chunk k on the wire while chunk k+1 is being
             quantized; 0 sends each bucket as one allreduce.
+        scale_block: if > 0, every ``scale_block`` elements of a tensor get their own global
+            scale (the MAX exchange carries 8 bytes per block) instead of one scale per
+            tensor.  Finer scales waste fewer levels on blocks of small gradients: at
+            ``bits=4`` a block of 1024 halves the quantization error for 1.6% more bytes
+            (docs/LOW_BITS.md).  A NaN/Inf then poisons only its own block.
 
     .. warning::
         * **Op.** Any ``op`` that sums works: ``Average`` (the default), ``Sum``, and
@@ -85,9 +90,9 @@ class GlobalQSGD:
 
     def __init__(self, bits: int = 8, norm: str = "max", seed: int | None = None,
                  process_set: Any = None, bucket_bytes: int = 0,
-                 chunk_bytes: int = core.DEFAULT_CHUNK_BYTES) -> None:
+                 chunk_bytes: int = core.DEFAULT_CHUNK_BYTES, scale_block: int = 0) -> None:
         self.settings = core.Settings(bits=bits, norm=norm, seed=seed, bucket_bytes=bucket_bytes,
-                                      chunk_bytes=chunk_bytes)
+                                      chunk_bytes=chunk_bytes, scale_block=scale_block)
         self.process_set = process_set
         self._uid = next(GlobalQSGD._instances)
         self._engines: dict[str, Engine] = {}  # framework name -> its engine
@@ -95,7 +100,8 @@ class GlobalQSGD:
 
     def __repr__(self) -> str:
         s = self.settings
-        return f"GlobalQSGD(bits={s.bits}, norm={s.norm!r}, seed={s.seed!r})"
+        return (f"GlobalQSGD(bits={s.bits}, norm={s.norm!r}, seed={s.seed!r}, "
+                f"scale_block={s.scale_block})")
 
     def compress(self, tensor: Any) -> tuple[Any, Any]:
         """Horovod compressor hook.  Queues ``tensor`` and returns ``(probe, ctx)``."""

@@ -54,6 +54,7 @@ __all__ = [
     "wire_bytes",
     "Chunk",
     "chunk_plan",
+    "segments",
     "PROBE_BYTES",
     "scale_exchange_bytes",
     "rank_seed",
@@ -131,6 +132,21 @@ class Chunk:
     counts: tuple[int, ...]
 
 
+def segments(numels: Sequence[int], block: int) -> tuple[list[int], list[int]]:
+    """Scale segments of a bucket: one per tensor (``block == 0``), or each tensor cut into
+    blocks of ``block`` elements (the last one shorter), each with its own global scale.
+    Returns the segments' element counts and, per tensor, the index of its first segment
+    (plus a final entry: the total), so tensor ``i`` owns segments ``first[i]:first[i+1]``."""
+    if block == 0:
+        return list(numels), list(range(len(numels) + 1))
+    counts, first = [], [0]
+    for n in numels:
+        full, rest = divmod(n, block)
+        counts += [block] * full + ([rest] if rest else [])
+        first.append(len(counts))
+    return counts, first
+
+
 def chunk_plan(counts: Sequence[int], bits: int, chunk_bytes: int) -> list[Chunk]:
     """Split a bucket of tensors with ``counts`` elements into chunks of about ``chunk_bytes``
     packed bytes, cut at word boundaries (so the chunks' words concatenate to the bucket's
@@ -159,9 +175,10 @@ def chunk_plan(counts: Sequence[int], bits: int, chunk_bytes: int) -> list[Chunk
 PROBE_BYTES = 16  # the float64 pair each tensor sends through Horovod's own allreduce
 
 
-def scale_exchange_bytes(n_tensors: int) -> int:
-    """Bytes of one batch's MAX allreduce: a float64 scale per tensor plus the layout pair."""
-    return 8 * (n_tensors + 2)
+def scale_exchange_bytes(n_segments: int) -> int:
+    """Bytes of one batch's MAX allreduce: a float64 scale per segment (tensor, or block with
+    ``scale_block``) plus the layout pair."""
+    return 8 * (n_segments + 2)
 
 
 def rank_seed(seed: int | None, rank: int) -> int:
@@ -197,6 +214,8 @@ class Settings:
         seed: ``None`` for OS-seeded rounding noise, or an int >= 0 for reproducible noise.
         bucket_bytes: flush the pending tensors early once this many input bytes are queued
             (0 = flush only when the first result is needed).
+        scale_block: give every ``scale_block`` elements of a tensor their own global scale
+            (0 = one scale per tensor).
         chunk_bytes: send a bucket's packed codes as Sum allreduces of about this many bytes
             each, so that quantizing one chunk overlaps sending the previous (0 = one
             allreduce per bucket).
@@ -207,6 +226,7 @@ class Settings:
     seed: int | None = None
     bucket_bytes: int = 0
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    scale_block: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, int):
@@ -230,6 +250,12 @@ class Settings:
             self.chunk_bytes < 0
         ):
             raise ValueError(f"chunk_bytes must be an int >= 0, got {self.chunk_bytes!r}")
+        if isinstance(self.scale_block, bool) or not isinstance(self.scale_block, int) or (
+            self.scale_block < 0
+        ):
+            raise ValueError(
+                f"scale_block must be an int >= 0 (elements per scale; 0 = per tensor), got "
+                f"{self.scale_block!r}")
 
 
 # --------------------------------------------------------------------------- tensor ops

@@ -47,13 +47,14 @@ class Backend(core.TensorOps, Protocol):
     def global_process_set(self) -> Any: ...
     def probe(self, values: Sequence[float], like: Any) -> Any: ...
     def probe_factor(self, reduced: Any, world_size: int) -> Any: ...
-    # per-tensor local norm (+inf if non-finite), then ``extra``, as one float64 vector
+    # local norm of each segment of flat (counts: elements per segment; the segments are the
+    # tensors unless Settings.scale_block cuts them), +inf if non-finite, then ``extra``
     def local_norms(self, tensors: Sequence[Any], flat: Any, counts: Sequence[int], norm: str,
                     extra: Sequence[float]) -> Any: ...
     def allreduce_max(self, vec: Any, name: str, process_set: Any) -> Any: ...  # COLLECTIVE
     def check_layout(self, reduced: Any) -> Any: ...
     def flat_concat(self, tensors: Sequence[Any]) -> Any: ...
-    # quantize + pack a bucket (mult: L/s per tensor); core.encode or a fused kernel
+    # quantize + pack a bucket (mult: L/s per segment); core.encode or a fused kernel
     def encode(self, flat: Any, mult: Any, counts: Sequence[int], n_levels: int, bits: int,
                rank: int) -> Any: ...
     def allreduce_sum_async(self, words: Any, name: str, process_set: Any) -> Any: ...  # COLL.
@@ -61,8 +62,9 @@ class Backend(core.TensorOps, Protocol):
     def wait(self, handle: Any) -> Any: ...
     def concat_words(self, words: Sequence[Any]) -> Any: ...  # int64 chunks, in order
     def decoder(self, words: Any, bits: int, total: int) -> Any: ...  # once per bucket
-    # one tensor: lane sums at [offset, offset + numel) times scale, in like's dtype and shape
-    def decode(self, state: Any, offset: int, like: Any, scale: Any) -> Any: ...
+    # one tensor: lane sums at [offset, offset + numel) times scale, in like's dtype and shape;
+    # block > 0: scale is a vector, element i of the tensor takes scale[i // block]
+    def decode(self, state: Any, offset: int, like: Any, scale: Any, block: int) -> Any: ...
     def stable_names(self) -> bool: ...  # True when names may repeat every round (eager)
 
 
@@ -126,7 +128,8 @@ class Entry:
     numel: int
     nbytes: int
     bucket: Bucket | None = None
-    index: int = -1  # position inside the bucket
+    index: int = -1  # its first scale segment inside the bucket
+    stop: int = -1  # one past its last scale segment
     offset: int = 0  # element offset inside the bucket's flat buffer
 
 
@@ -138,7 +141,8 @@ class Bucket:
     rank: int
     world_size: int
     n_levels: int
-    steps: Any = None  # value of one summed code per entry (s / L), float64 on the device
+    counts: list[int] = field(default_factory=list)  # elements per scale segment
+    steps: Any = None  # value of one summed code per segment (s / L), float64 on the device
     handles: list[Any] = field(default_factory=list)  # pending Sum allreduces, one per chunk
     decoded: Any = None  # Backend.decoder() state, once the Sum allreduce is waited for
     remaining: int = 0
@@ -226,9 +230,10 @@ class Engine:
                         bucket.decoded = b.decoder(words, self.settings.bits, bucket.total)
                     bucket.handles = []
                 factor = b.probe_factor(reduced_probe, bucket.world_size)
+                block = self.settings.scale_block
                 with r.timing("quantize_s"):
-                    out = b.decode(bucket.decoded, ctx.offset, ctx.tensor,
-                                   bucket.steps[ctx.index] * factor)
+                    steps = bucket.steps[ctx.index:ctx.stop] if block else bucket.steps[ctx.index]
+                    out = b.decode(bucket.decoded, ctx.offset, ctx.tensor, steps * factor, block)
             except BaseException:
                 # Every rank fails at the same point (same sizes, same probe), so start the
                 # next round clean on all of them rather than carry a broken queue.
@@ -249,30 +254,33 @@ class Engine:
         entries, r.queued, r.queued_bytes = r.queued, [], 0
         bucket = Bucket(entries=entries, rank=rank, world_size=size, n_levels=n_levels,
                         remaining=len(entries))
+        bucket.counts, first = core.segments([e.numel for e in entries],
+                                             self.settings.scale_block)
         offset = 0
         for i, e in enumerate(entries):
-            e.bucket, e.index, e.offset = bucket, i, offset
+            e.bucket, e.index, e.stop, e.offset = bucket, first[i], first[i + 1], offset
             offset += e.numel
         bucket.total = offset
         name = f"{self._prefix}.b{self._serial}"
         self._serial += 1
         with r.timing("quantize_s"):
             flat = self.backend.flat_concat([e.tensor for e in entries])
-        scales = self._exchange_scales(entries, flat, f"{name}.scale", pset)
+        scales = self._exchange_scales(bucket, flat, f"{name}.scale", pset)
         with r.timing("quantize_s"):
             self._send_codes(bucket, flat, scales, f"{name}.codes", pset)
         r.figures["payload"] += core.wire_bytes(offset, self.settings.bits)
-        r.figures["overhead"] += core.scale_exchange_bytes(len(entries))
+        r.figures["overhead"] += core.scale_exchange_bytes(len(bucket.counts))
 
-    def _exchange_scales(self, entries: list[Entry], flat: Any, name: str, pset: Any) -> Any:
-        """COLLECTIVE: one MAX allreduce of every tensor's local norm plus the layout pair
+    def _exchange_scales(self, bucket: Bucket, flat: Any, name: str, pset: Any) -> Any:
+        """COLLECTIVE: one MAX allreduce of every segment's local norm plus the layout pair
         ``(h, -h)``; ranks that queued different layouts get ``max(h) != -max(-h)``."""
         b = self.backend
-        tensors = [e.tensor for e in entries]
-        counts = [e.numel for e in entries]
-        layout = core.layout_fingerprint(counts, [b.dtype_name(t) for t in tensors])
+        tensors = [e.tensor for e in bucket.entries]
+        layout = core.layout_fingerprint([e.numel for e in bucket.entries],
+                                         [b.dtype_name(t) for t in tensors])
         with self._round.timing("quantize_s"):
-            norms = b.local_norms(tensors, flat, counts, self.settings.norm, [layout, -layout])
+            norms = b.local_norms(tensors, flat, bucket.counts, self.settings.norm,
+                                  [layout, -layout])
         with self._round.timing("scale_wait_s"):
             return b.check_layout(b.allreduce_max(norms, name, pset))
 
@@ -282,8 +290,7 @@ class Engine:
         b, level, bits = self.backend, bucket.n_levels, self.settings.bits
         bucket.steps = core.step_sizes(b, scales, level)
         mult = core.multipliers(b, scales, level)
-        plan = core.chunk_plan([e.numel for e in bucket.entries], bits,
-                               self.settings.chunk_bytes)
+        plan = core.chunk_plan(bucket.counts, bits, self.settings.chunk_bytes)
         for i, c in enumerate(plan):
             whole = len(plan) == 1
             words = b.encode(flat if whole else flat[c.lo:c.hi],

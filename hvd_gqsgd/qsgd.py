@@ -37,7 +37,8 @@ class QSGDAllgather(GlobalQSGD):
     """Per-rank-scale QSGD over an allgather (COLLECTIVE in ``compress``: two allgathers per
     tensor, started there and waited for in ``decompress``).  Same arguments, op handling
     (the probe) and bad-input behaviour as :class:`GlobalQSGD`; ``bucket_bytes``,
-    ``chunk_bytes`` and ``norm`` are not used (scales are always local max |x|)."""
+    ``chunk_bytes``, ``scale_block`` and ``norm`` are not used (one local max |x| per
+    tensor)."""
 
     _serial = itertools.count()
 
@@ -71,6 +72,6 @@ class QSGDAllgather(GlobalQSGD):
         total = None
         for r in range(size):  # decode each rank's codes with its own scale: O(n) work
             state = b.decoder(words[r * per_rank:(r + 1) * per_rank], bits, b.numel(ctx.tensor))
-            part = b.decode(state, 0, ctx.tensor, steps[r] * factor)
+            part = b.decode(state, 0, ctx.tensor, steps[r] * factor, 0)
             total = part if total is None else total + part
         return total

@@ -108,13 +108,25 @@ class TensorFlowBackend:
 
     def local_norms(self, tensors: Sequence[Any], flat: Any, counts: Sequence[int], norm: str,
                     extra: Sequence[float]) -> Any:
-        def one(t: Any) -> Any:
-            x = tf.cast(t, tf.float64)
-            value = tf.reduce_max(tf.abs(x)) if norm == "max" else tf.norm(x)
-            # +inf for NaN/Inf, which wins the MAX on every rank (MAX may drop a NaN)
-            return tf.where(tf.reduce_all(tf.math.is_finite(x)), value, np.inf)
+        # +inf for NaN/Inf, which wins the MAX on every rank (MAX may drop a NaN)
+        if len(counts) == len(tensors):  # one segment per tensor: reduce each tensor
+            def one(t: Any) -> Any:
+                x = tf.cast(t, tf.float64)
+                value = tf.reduce_max(tf.abs(x)) if norm == "max" else tf.norm(x)
+                return tf.where(tf.reduce_all(tf.math.is_finite(x)), value, np.inf)
 
-        return tf.concat([tf.stack([one(t) for t in tensors]), tf.constant(extra, tf.float64)], 0)
+            norms = tf.stack([one(t) for t in tensors])
+        else:  # scale_block: segment reductions over the flat bucket
+            x = tf.cast(flat, tf.float64)
+            m = len(counts)  # the unsorted_* forms give the result a static shape [m]
+            ids = tf.repeat(tf.range(m), list(counts))
+            if norm == "max":
+                value = tf.math.unsorted_segment_max(tf.abs(x), ids, m)
+            else:
+                value = tf.sqrt(tf.math.unsorted_segment_sum(tf.square(x), ids, m))
+            ok = tf.math.unsorted_segment_min(tf.cast(tf.math.is_finite(x), tf.int32), ids, m)
+            norms = tf.where(ok > 0, value, np.inf)
+        return tf.concat([norms, tf.constant(extra, tf.float64)], 0)
 
     def check_layout(self, reduced: Any) -> Any:
         def check(pair: Any) -> float:
@@ -148,10 +160,14 @@ class TensorFlowBackend:
     def decoder(self, words: Any, bits: int, total: int) -> Any:
         return core.unpack(self, words, bits, total)
 
-    def decode(self, state: Any, offset: int, like: Any, scale: Any) -> Any:
+    def decode(self, state: Any, offset: int, like: Any, scale: Any, block: int) -> Any:
         compute = tf.float64 if like.dtype == tf.float64 else tf.float32
-        part = tf.cast(state[offset:offset + _static_numel(like)], compute)
-        return tf.reshape(tf.cast(part * tf.cast(scale, compute), like.dtype), like.shape)
+        numel = _static_numel(like)
+        part = tf.cast(state[offset:offset + numel], compute)
+        scale = tf.cast(scale, compute)
+        if block:  # element i times scale[i // block]
+            scale = tf.repeat(scale, block)[:numel]
+        return tf.reshape(tf.cast(part * scale, like.dtype), like.shape)
 
     def stable_names(self) -> bool:
         return tf.executing_eagerly()

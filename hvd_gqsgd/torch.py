@@ -99,11 +99,12 @@ class TorchBackend:
         if self._fused(flat):
             vec = torch.from_numpy(kernels.segment_norms(flat.numpy(), np.asarray(counts), norm))
             return torch.cat([vec, tail])
+        parts = list(tensors) if len(counts) == len(tensors) else torch.split(flat, list(counts))
         norms: Sequence[torch.Tensor]
         if norm == "max":
-            norms = torch._foreach_norm(list(tensors), float("inf"))
+            norms = torch._foreach_norm(list(parts), float("inf"))
         else:  # fp64: a finite fp16/fp32 gradient must not overflow its own L2 norm
-            norms = [torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]
+            norms = [torch.linalg.vector_norm(t, dtype=torch.float64) for t in parts]
         vec = torch.stack([n.to(torch.float64) for n in norms])
         # MAX drops NaN in some reductions (a > b is false); +inf always wins the MAX.
         return torch.cat([torch.nan_to_num(vec, nan=float("inf")), tail])
@@ -141,13 +142,22 @@ class TorchBackend:
             return _Packed(words.numpy(), bits)
         return core.unpack(self, words, bits, total)
 
-    def decode(self, state: Any, offset: int, like: Any, scale: Any) -> Any:
+    def decode(self, state: Any, offset: int, like: Any, scale: Any, block: int) -> Any:
         compute = torch.float64 if like.dtype == torch.float64 else torch.float32
+        numel = like.numel()
         if isinstance(state, _Packed):
-            out = torch.empty(like.numel(), dtype=compute)
-            kernels.unpack_scale(state.words, state.bits, offset, out.numpy(), float(scale))
+            out = torch.empty(numel, dtype=compute)
+            kernels.unpack_scale(state.words, state.bits, offset, out.numpy(),
+                                 1.0 if block else float(scale))
         else:
-            out = state[offset:offset + like.numel()].to(compute) * scale
+            out = state[offset:offset + numel].to(compute)
+            if not block:
+                out = out * scale
+        if block:  # in place, block by block: element i times scale[i // block]
+            full = numel // block
+            out[:full * block].view(full, block).mul_(scale[:full, None].to(compute))
+            if full * block < numel:
+                out[full * block:].mul_(scale[full].to(compute))
         return out.to(like.dtype).view(like.shape)
 
     def _fused(self, t: Any) -> bool:

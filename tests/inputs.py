@@ -29,6 +29,17 @@ def grid_input(rank: int, n: int, bits: int, numel: int = 200) -> np.ndarray:
     return k.astype(np.float64) * 2.0 ** GRID_EXPONENT
 
 
+def block_grid_input(rank: int, n: int, bits: int, numel: int, block: int) -> np.ndarray:
+    """Like :func:`grid_input`, but block ``b`` (``block`` elements) of the tensor uses the
+    grid ``2**(GRID_EXPONENT - b % 4)`` and holds +-L on every rank: with one scale per block
+    rounding is deterministic; with one scale per tensor the finer blocks would round."""
+    level = core.levels(bits, n)
+    k = np.random.default_rng([bits, n, rank, block]).integers(-level, level + 1, numel)
+    k[::block] = level * (-1) ** rank  # the block's max |x| is L * grid on every rank
+    exponent = GRID_EXPONENT - (np.arange(numel) // block) % 4
+    return k.astype(np.float64) * 2.0 ** exponent
+
+
 def random_input(rank: int, numel: int) -> np.ndarray:
     return np.random.default_rng([7, rank, numel]).normal(0, 1 + rank, numel)
 

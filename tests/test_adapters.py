@@ -80,6 +80,47 @@ def test_local_norms_match_numpy(backend, norm):
     assert list(got[3:]) == [7.0, -7.0]
 
 
+@pytest.mark.parametrize("norm", ["max", "l2"])
+def test_local_norms_per_block(backend, norm):
+    """scale_block segments: one norm per block of each tensor; a NaN poisons only its block."""
+    ops, make, to_np = backend
+    xs = [np.random.default_rng(i).normal(size=n).astype(np.float32)
+          for i, n in enumerate((23, 8))]
+    xs[0][12] = np.nan
+    counts, first = core.segments([x.size for x in xs], 5)
+    assert counts == [5, 5, 5, 5, 3, 5, 3] and first == [0, 5, 7]
+    flat = ops.flat_concat([make(x) for x in xs])
+    got = to_np(ops.local_norms([make(x) for x in xs], flat, counts, norm, [1.0, -1.0]))
+    cat, pos = np.concatenate(xs), np.cumsum([0, *counts])
+    for k in range(len(counts)):
+        part = cat[pos[k]:pos[k + 1]].astype(np.float64)
+        want = np.inf if np.isnan(part).any() else (
+            np.abs(part).max() if norm == "max" else np.linalg.norm(part))
+        assert got[k] == pytest.approx(want, rel=1e-6), k
+    assert np.isinf(got[2]) and np.isfinite(got[[0, 1, 3, 4, 5, 6]]).all()
+
+
+@pytest.mark.parametrize("path", ["torch-fused", "torch-generic", "tensorflow"])
+@pytest.mark.parametrize("block", [0, 4, 7])
+def test_decode_with_per_block_scales(path, block):
+    ops, make, to_np = BACKENDS[path.split("-")[0]]()
+    if path == "torch-generic":  # the CUDA path, here on CPU tensors
+        ops._fused = lambda t: False
+    bits, total, offset, numel = 8, 40, 9, 25
+    codes = np.random.default_rng(block).integers(-63, 64, total)
+    words = core.pack(NP, codes, bits)
+    state = ops.decoder(make(words), bits, total)
+    like = make(np.zeros((5, 5), np.float32))
+    nblocks = -(-numel // block) if block else 1
+    scales = np.linspace(0.5, 2.0, nblocks)
+    scale = make(scales if block else scales[0])
+    got = to_np(ops.decode(state, offset, like, scale, block))
+    per_element = np.repeat(scales, block)[:numel] if block else scales[0]
+    want = (codes[offset:offset + numel] * per_element.astype(np.float32)).astype(np.float32)
+    assert got.shape == (5, 5)
+    np.testing.assert_array_equal(got.reshape(-1), want)
+
+
 def test_torch_input_that_requires_grad():
     import torch
 
@@ -92,5 +133,5 @@ def test_torch_input_that_requires_grad():
     assert norms[0].item() == 1.0
     words = ops.encode(flat, torch.tensor([63.0], dtype=torch.float64), [40], 63, 8, 0)
     sums = ops.decoder(words, 8, 40)
-    got = ops.decode(sums, 0, x, torch.tensor(1 / 63, dtype=torch.float64))
+    got = ops.decode(sums, 0, x, torch.tensor(1 / 63, dtype=torch.float64), 0)
     assert got.shape == x.shape and float((got - x.detach()).abs().max()) <= 1 / 63 + 1e-6

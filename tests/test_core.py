@@ -144,6 +144,21 @@ def test_chunked_encoding_concatenates_to_the_whole_bucket(bits, counts, chunk_b
     np.testing.assert_array_equal(np.concatenate(parts), whole)
 
 
+@settings(max_examples=200, deadline=None)
+@given(numels=st.lists(st.integers(1, 100), min_size=1, max_size=5),
+       block=st.integers(0, 40))
+def test_segments_cut_each_tensor_into_blocks(numels, block):
+    counts, first = core.segments(numels, block)
+    assert first[0] == 0 and first[-1] == len(counts) and len(first) == len(numels) + 1
+    for i, n in enumerate(numels):
+        mine = counts[first[i]:first[i + 1]]
+        assert sum(mine) == n
+        if block:
+            assert all(c == block for c in mine[:-1]) and 0 < mine[-1] <= block
+        else:
+            assert mine == [n]
+
+
 def test_chunk_plan_splits_tensors_across_chunks():
     # bits=8: 8 lanes per word; 16 bytes = 2 words = 16 elements per chunk
     plan = core.chunk_plan([10, 30, 4], 8, 16)
@@ -250,6 +265,8 @@ def test_probe_rejects_non_sum_reductions(n, op):
     ({"bucket_bytes": -5}, "bucket_bytes must be"),
     ({"chunk_bytes": -1}, "chunk_bytes must be"),
     ({"chunk_bytes": 1.5}, "chunk_bytes must be"),
+    ({"scale_block": -2}, "scale_block must be"),
+    ({"scale_block": True}, "scale_block must be"),
 ])
 def test_settings_reject_bad_values(kwargs, message):
     from hvd_gqsgd import GlobalQSGD

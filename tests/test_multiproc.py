@@ -12,7 +12,14 @@ import math
 
 import numpy as np
 import pytest
-from inputs import GRID_CASES, GRID_EXPONENT, grid_input, random_input, training_data
+from inputs import (
+    GRID_CASES,
+    GRID_EXPONENT,
+    block_grid_input,
+    grid_input,
+    random_input,
+    training_data,
+)
 from launch import launch
 
 from hvd_gqsgd import core
@@ -209,6 +216,18 @@ def test_chunked_sends_sum_exactly_and_stay_within_one_step(ranks):
     # chunking changes how the words travel, not how many
     total = sum(CHUNKED_NUMELS)
     assert res[0]["stats"]["last_payload"] == core.wire_bytes(total, 8)
+
+
+def test_per_block_scales_sum_exactly(ranks):
+    """Blocks 2**-3 .. 2**-6 apart in magnitude, each with its own scale: exact sums."""
+    n = len(ranks)
+    res = [r["blocked"] for r in ranks]
+    for i, numel in enumerate((70, 45)):
+        exact = np.sum([block_grid_input(r, n, 8, numel, 16) for r in range(n)], axis=0)
+        np.testing.assert_array_equal(_all_equal([r["exact"][i] for r in res]), exact)
+    blocks = 5 + 3  # ceil(70 / 16) + ceil(45 / 16)
+    stats = res[0]["stats"]
+    assert stats["last_overhead"] == core.scale_exchange_bytes(blocks) + 2 * core.PROBE_BYTES
 
 
 def test_unsupported_ops_and_too_few_bits_raise(ranks):

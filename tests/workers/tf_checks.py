@@ -13,7 +13,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import horovod.tensorflow as hvd  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from inputs import GRID_CASES, grid_input, random_input, training_data  # noqa: E402
+from inputs import (  # noqa: E402
+    GRID_CASES,
+    block_grid_input,
+    grid_input,
+    random_input,
+    training_data,
+)
 
 from hvd_gqsgd import GlobalQSGD, QSGDAllgather, core  # noqa: E402
 from hvd_gqsgd.tensorflow import TensorFlowBackend, tape_sources  # noqa: E402
@@ -292,9 +298,19 @@ def chunked(rank: int, n: int) -> dict:
     return {"exact": exact, "mean": mean, "stats": comp.stats.as_dict()}
 
 
+def blocked(rank: int, n: int) -> dict:
+    """One global scale per 16 elements (scale_block), in chunks that cut blocks."""
+    xs = [tf.constant(block_grid_input(rank, n, 8, numel, 16), tf.float32)
+          for numel in (70, 45)]
+    comp = GlobalQSGD(bits=8, scale_block=16, chunk_bytes=16)
+    exact = [_np(t) for t in hvd.grouped_allreduce(xs, op=hvd.Sum, compression=comp)]
+    return {"exact": exact, "stats": comp.stats.as_dict()}
+
+
 CHUNKED_NUMELS = (70, 200, 45)
 SCENARIOS = [packed_extremes, grid_exact, random_bounds, unbiased, independent_noise, seeded,
-             bad_inputs, errors, optimizer_grads, training, qsgd_baseline, keras3_fit, chunked]
+             bad_inputs, errors, optimizer_grads, training, qsgd_baseline, keras3_fit, chunked,
+             blocked]
 PROCESS_SETS: list = []
 
 

@@ -18,6 +18,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from inputs import (  # noqa: E402
     GRID_CASES,
+    block_grid_input,
     grid_input,
     random_input,
     training_data,
@@ -236,9 +237,18 @@ def chunked(rank: int, n: int) -> dict:
     return {"exact": exact, "mean": mean, "stats": comp.stats.as_dict()}
 
 
+def blocked(rank: int, n: int) -> dict:
+    """One global scale per 16 elements (scale_block), in chunks that cut blocks."""
+    xs = [torch.tensor(block_grid_input(rank, n, 8, numel, 16), dtype=torch.float32)
+          for numel in (70, 45)]
+    comp = GlobalQSGD(bits=8, scale_block=16, chunk_bytes=16)
+    exact = [_np(t) for t in hvd.grouped_allreduce(xs, op=hvd.Sum, compression=comp)]
+    return {"exact": exact, "stats": comp.stats.as_dict()}
+
+
 CHUNKED_NUMELS = (70, 200, 45)
 SCENARIOS = [packed_extremes, grid_exact, random_bounds, unbiased, independent_noise, seeded,
-             bad_inputs, errors, optimizer_grads, training, qsgd_baseline, chunked]
+             bad_inputs, errors, optimizer_grads, training, qsgd_baseline, chunked, blocked]
 PROCESS_SETS: list = []
 
 
