@@ -149,10 +149,11 @@ if numba is not None:
             j0 = b * per_block
             _pack(codes, bits, offset, words, j0, min(per_block, words.size - j0))
 
-    def _unpack_scale(words, bits, start, out, scale, offset):
+    def _unpack_scale(words, bits, start, out, scales, block, offset):
         # U = W + H turns the summed signed-digit word back into plain bit fields (every lane
         # sum S_k has |S_k| < half, so S_k + half is in [1, 2^bits - 1]): lanes decode
-        # independently instead of being peeled one after another.
+        # independently instead of being peeled one after another.  Element t takes
+        # scales[t // block]; one scale lookup per word unless the word straddles two blocks.
         lanes = 64 // bits
         half = numba.int64(1) << numba.int64(bits - 1)
         mask = numba.uint64((1 << bits) - 1)
@@ -164,16 +165,19 @@ if numba is not None:
             for j in range(jb0, min(j_last + 1, jb0 + per_block)):
                 u = numba.uint64(words[j]) + offset
                 base = j * lanes - start
-                if base >= 0 and base + lanes <= out.size:  # interior word: all lanes
+                if (base >= 0 and base + lanes <= out.size
+                        and base // block == (base + lanes - 1) // block):  # all lanes, 1 scale
+                    scale = scales[base // block]
                     ubase = numba.uint64(base)  # unsigned index: see _pairs
                     for k in range(numba.uint64(lanes)):
                         field = (u >> (numba.uint64(bits) * k)) & mask
                         out[ubase + k] = (numba.int64(field) - half) * scale
-                else:  # the tensor starts or ends inside this word
+                else:  # the tensor, or a scale block, starts or ends inside this word
                     for k in range(lanes):
                         if 0 <= base + k < out.size:
                             field = (u >> numba.uint64(bits * k)) & mask
-                            out[base + k] = (numba.int64(field) - half) * scale
+                            out[base + k] = (numba.int64(field) - half) * scales[
+                                (base + k) // block]
 
 
     def _twin(fn):
@@ -258,8 +262,10 @@ def _scratch(size: int) -> np.ndarray:
 
 
 def unpack_scale(words: np.ndarray, bits: int, start: int, out: np.ndarray,
-                 scale: float) -> None:
-    """``out[t] = lane_sum(start + t) * scale`` for one tensor of a summed bucket."""
+                 scales: np.ndarray | float, block: int = 0) -> None:
+    """``out[t] = lane_sum(start + t) * scales[t // block]`` for one tensor of a summed
+    bucket; ``block == 0``: ``scales`` is the tensor's one scale."""
     if out.size:
-        _run(_unpack_scale, out.size, words, bits, start, out, out.dtype.type(scale),
-             _offset(bits))
+        scales = np.atleast_1d(np.asarray(scales)).astype(out.dtype)
+        _run(_unpack_scale, out.size, words, bits, start, out, scales,
+             block if block else out.size, _offset(bits))

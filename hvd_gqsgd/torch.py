@@ -148,16 +148,16 @@ class TorchBackend:
         if isinstance(state, _Packed):
             out = torch.empty(numel, dtype=compute)
             kernels.unpack_scale(state.words, state.bits, offset, out.numpy(),
-                                 1.0 if block else float(scale))
+                                 scale.numpy(), block)
         else:
             out = state[offset:offset + numel].to(compute)
-            if not block:
+            if block:  # in place, block by block: element i times scale[i // block]
+                full = numel // block
+                out[:full * block].view(full, block).mul_(scale[:full, None].to(compute))
+                if full * block < numel:
+                    out[full * block:].mul_(scale[full].to(compute))
+            else:
                 out = out * scale
-        if block:  # in place, block by block: element i times scale[i // block]
-            full = numel // block
-            out[:full * block].view(full, block).mul_(scale[:full, None].to(compute))
-            if full * block < numel:
-                out[full * block:].mul_(scale[full].to(compute))
         return out.to(like.dtype).view(like.shape)
 
     def _fused(self, t: Any) -> bool:

@@ -50,6 +50,13 @@ def test_unpack_scale_matches_generic_path(bits):
         out = np.empty(stop - start, dtype=np.float32)
         kernels.unpack_scale(words, bits, start, out, 0.25)
         np.testing.assert_array_equal(out, sums[start:stop].astype(np.float32) * np.float32(0.25))
+        # per-block scales; blocks of 5 and 12 straddle words, 64 lanes never do
+        for block in (5, 12, 64):
+            scales = np.linspace(0.5, 3.0, -(-(stop - start) // block))
+            kernels.unpack_scale(words, bits, start, out, scales, block)
+            want = sums[start:stop].astype(np.float32) * np.repeat(
+                scales.astype(np.float32), block)[:stop - start]
+            np.testing.assert_array_equal(out, want, err_msg=f"block {block}")
 
 
 def test_nan_input_gives_code_zero_and_spares_neighbours():
