@@ -91,8 +91,9 @@ def wire_bytes(compression, numels: list[int]) -> float:
     tf.function, not executed steps, so count them here: the tape reduces each tensor in its
     own round (codes, scale exchange, probe)."""
     if isinstance(compression, GlobalQSGD):
-        bits = compression.settings.bits
-        return sum(core.wire_bytes(m, bits) + core.scale_exchange_bytes(1) + core.PROBE_BYTES
+        bits, block = compression.settings.bits, compression.settings.scale_block
+        return sum(core.wire_bytes(m, bits) + core.PROBE_BYTES
+                   + core.scale_exchange_bytes(len(core.segments([m], block)[0]))
                    for m in numels)
     return (2 if compression is hvd.Compression.fp16 else 4) * sum(numels)
 

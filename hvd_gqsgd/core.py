@@ -45,6 +45,7 @@ __all__ = [
     "WORD_BITS",
     "NORMS",
     "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_SCALE_BLOCK",
     "Settings",
     "TensorOps",
     "levels",
@@ -76,6 +77,8 @@ WORD_BITS = 64
 NORMS = ("max", "l2")
 # Packed bytes per Sum allreduce of a large bucket (Settings.chunk_bytes); see docs/BENCHMARKS.md
 DEFAULT_CHUNK_BYTES = 1 << 20
+# Elements per global scale (Settings.scale_block); see docs/CONVERGENCE.md and LOW_BITS.md
+DEFAULT_SCALE_BLOCK = 1024
 
 
 def levels(bits: int, world_size: int) -> int:
@@ -226,7 +229,7 @@ class Settings:
     seed: int | None = None
     bucket_bytes: int = 0
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    scale_block: int = 0
+    scale_block: int = DEFAULT_SCALE_BLOCK
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, int):
@@ -341,7 +344,7 @@ def _numel_of(x: Any) -> int:
 
 
 def multipliers(ops: TensorOps, scales: Any, n_levels: int) -> Any:
-    """Per-tensor quantization multiplier ``L / s``; 0 where ``s`` is 0 (an all-zero tensor on
+    """Per-segment quantization multiplier ``L / s``; 0 where ``s`` is 0 (an all-zero tensor on
     every rank) or not finite (a NaN/Inf somewhere: the result is poisoned in
     :func:`step_sizes` instead), so no NaN or Inf ever enters the integer codes."""
     ok = ops.isfinite(scales) & (scales > 0)
@@ -349,8 +352,8 @@ def multipliers(ops: TensorOps, scales: Any, n_levels: int) -> Any:
 
 
 def step_sizes(ops: TensorOps, scales: Any, n_levels: int) -> Any:
-    """Per-tensor value of one summed code, ``s / L``.  NaN where the global scale is not
-    finite, so a NaN/Inf gradient on any rank yields an all-NaN result on every rank (AMP's
+    """Per-segment value of one summed code, ``s / L``.  NaN where the global scale is not
+    finite, so a NaN/Inf gradient on any rank yields an all-NaN segment on every rank (AMP's
     loss scaler then skips the step everywhere)."""
     return ops.where(ops.isfinite(scales), scales / n_levels, math.nan)
 
