@@ -63,10 +63,12 @@ class GlobalQSGD:
         bucket_bytes: if > 0, quantize and send queued tensors as soon as this many input
             bytes are queued (costs one blocking scale exchange per bucket), instead of
             when the first result is needed.
-        chunk_bytes: packed bytes per Sum allreduce (default 1 MiB, i.e. 4 MiB of fp32
-            gradient at ``bits=8``).  A larger bucket is quantized and sent chunk by chunk, so
+        chunk_bytes: if > 0, packed bytes per Sum allreduce (``1 << 20`` is 4 MiB of fp32
+            gradient at ``bits=8``): a larger bucket is quantized and sent chunk by chunk, so
             Horovod's background thread puts chunk k on the wire while chunk k+1 is being
-            quantized; 0 sends each bucket as one allreduce.
+            quantized.  Off (0) by default: on this project's 2-core machines, where
+            Open MPI's progress loop and the quantizer share the cores, chunks measured
+            slower (docs/BENCHMARKS.md).  Worth measuring where ranks have spare cores.
         scale_block: elements per global scale (default 1024): each block of a tensor gets
             its own scale, at 8 bytes per block in the MAX exchange (0.8% more bytes at
             ``bits=8``).  Finer scales waste fewer levels where gradients are small: 1024

@@ -75,8 +75,9 @@ MIN_BITS = 2
 MAX_BITS = 16
 WORD_BITS = 64
 NORMS = ("max", "l2")
-# Packed bytes per Sum allreduce of a large bucket (Settings.chunk_bytes); see docs/BENCHMARKS.md
-DEFAULT_CHUNK_BYTES = 1 << 20
+# Packed bytes per Sum allreduce of a large bucket (Settings.chunk_bytes): off by default, as
+# chunks measured slower on this project's machines (docs/BENCHMARKS.md, the @1024k rows)
+DEFAULT_CHUNK_BYTES = 0
 # Elements per global scale (Settings.scale_block); see docs/CONVERGENCE.md and LOW_BITS.md
 DEFAULT_SCALE_BLOCK = 1024
 

@@ -153,7 +153,8 @@ if numba is not None:
         # U = W + H turns the summed signed-digit word back into plain bit fields (every lane
         # sum S_k has |S_k| < half, so S_k + half is in [1, 2^bits - 1]): lanes decode
         # independently instead of being peeled one after another.  Element t takes
-        # scales[t // block]; one scale lookup per word unless the word straddles two blocks.
+        # scales[t // block]: a word inside one block uses one scale, tracked without a
+        # division per word (blk, rem: its first lane is element blk * block + rem).
         lanes = 64 // bits
         half = numba.int64(1) << numba.int64(bits - 1)
         mask = numba.uint64((1 << bits) - 1)
@@ -162,12 +163,14 @@ if numba is not None:
         per_block = BLOCK // lanes
         for b in numba.prange((j_last - j_first + per_block) // per_block):
             jb0 = j_first + b * per_block
+            base0 = jb0 * lanes - start
+            blk = max(base0, 0) // block
+            rem = base0 - blk * block  # negative only for a word before the tensor's start
             for j in range(jb0, min(j_last + 1, jb0 + per_block)):
                 u = numba.uint64(words[j]) + offset
                 base = j * lanes - start
-                if (base >= 0 and base + lanes <= out.size
-                        and base // block == (base + lanes - 1) // block):  # all lanes, 1 scale
-                    scale = scales[base // block]
+                if base >= 0 and base + lanes <= out.size and rem + lanes <= block:
+                    scale = scales[blk]  # interior word, inside one scale block
                     ubase = numba.uint64(base)  # unsigned index: see _pairs
                     for k in range(numba.uint64(lanes)):
                         field = (u >> (numba.uint64(bits) * k)) & mask
@@ -178,6 +181,10 @@ if numba is not None:
                             field = (u >> numba.uint64(bits * k)) & mask
                             out[base + k] = (numba.int64(field) - half) * scales[
                                 (base + k) // block]
+                rem += lanes
+                while rem >= block:
+                    rem -= block
+                    blk += 1
 
 
     def _twin(fn):

@@ -59,6 +59,27 @@ def test_unpack_scale_matches_generic_path(bits):
             np.testing.assert_array_equal(out, want, err_msg=f"block {block}")
 
 
+@pytest.mark.parametrize("bits", [4, 8, 13])
+@pytest.mark.parametrize("block", [7, 1000, 1024, 50_000])
+def test_unpack_scale_blocks_across_kernel_work_items(bits, block):
+    """Tensors longer than the kernel's work items (BLOCK elements), starting mid-word, with
+    scale blocks that do and do not line up with words: every element gets its block's scale."""
+    level = core.levels(bits, 2)
+    rng = np.random.default_rng([bits, block])
+    total = 3 * kernels.BLOCK + 77
+    codes = rng.integers(-level, level + 1, size=(2, total))
+    words = sum(core.pack(OPS, c, bits) for c in codes)
+    sums = core.unpack(OPS, words, bits, total)
+    for start in (0, 5, 3 * kernels.BLOCK // 2 + 1):
+        size = total - start
+        scales = rng.uniform(0.5, 2.0, -(-size // block))
+        out = np.empty(size, dtype=np.float32)
+        kernels.unpack_scale(words, bits, start, out, scales, block)
+        want = sums[start:].astype(np.float32) * np.repeat(scales.astype(np.float32),
+                                                           block)[:size]
+        np.testing.assert_array_equal(out, want, err_msg=f"start {start}")
+
+
 def test_nan_input_gives_code_zero_and_spares_neighbours():
     level, bits = 63, 8
     flat = np.ones(16, dtype=np.float32)
