@@ -128,6 +128,11 @@ class EmulatedHosts:
                "--mca", "btl", "self,tcp",
                "--mca", "btl_tcp_if_include", f"{SUBNET}.0/24",
                "--mca", "oob_tcp_if_include", f"{SUBNET}.0/24",
+               # Each host's orted writes its hwloc topology to a shared-memory file; with one
+               # kernel and hostname for all hosts they collide, and orted sometimes segfaults
+               # in hwloc_shmem_topology_write (seen in `make bench` at 4 hosts).  Not needed
+               # with --bind-to none.
+               "--mca", "rtc", "^hwloc",
                *[x for k, v in (mca or {}).items() for x in ("--mca", k, v)],
                "-x", "PATH", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", *exports, *command]
         launcher = ["ip", "netns", "exec", self.hosts[0], *mpi]
