@@ -72,7 +72,9 @@ def test_smoke_run_learns_and_gq8_tracks_fp32(case, tmp_path):
         assert runs["none"]["test_acc"] > 0.85
     rel = runs["gq8"][metric] / runs["none"][metric] - 1
     assert abs(rel) <= tolerance, f"GlobalQSGD(8) {metric} {rel:+.1%} vs fp32"
-    assert runs["gq8"]["bytes_vs_fp32"] == pytest.approx(4.0, rel=0.01)
+    # 4x fewer payload bytes, less the scale exchange (8 bytes per 1024-element block: 0.8%)
+    # and the 16-byte probes of the small bias tensors
+    assert 3.9 < runs["gq8"]["bytes_vs_fp32"] < 4.0
     check_csv(tmp_path / "curves.csv", metric, runs)
     check_png(tmp_path / "curves.png")
 
