@@ -9,12 +9,14 @@ Life of a round (all ranks must make the same calls in the same order)::
     compress(t1) .. compress(tk)        queue; return a 2-element probe per tensor
     [bucket full -> flush]              optional early flush (Settings.bucket_bytes)
     decompress(probe1, ctx1)            first result needed -> flush what is queued:
-                                          1. COLLECTIVE  MAX allreduce of local norms + layout
-                                          2. quantize + pack one chunk of the queued
-                                             tensors (Settings.chunk_bytes of words)
-                                          3. COLLECTIVE  async Sum allreduce of its words;
-                                             repeat 2-3 per chunk: Horovod's background
-                                             thread sends chunk k while chunk k+1 is packed
+                                          1. COLLECTIVE  MAX allreduce of local norms (one
+                                             per scale block) + layout
+                                          2. quantize + pack the queued tensors (or, with
+                                             Settings.chunk_bytes, one chunk of them)
+                                          3. COLLECTIVE  async Sum allreduce of the words;
+                                             with chunks, 2-3 repeat per chunk: Horovod's
+                                             background thread sends chunk k while chunk
+                                             k+1 is packed
                                         then wait, unpack once per bucket, rescale tensor 1
     decompress(probe_k, ctx_k)          rescale from the already-unpacked bucket
     (all results taken -> the round ends; in eager mode collective names restart, so
