@@ -226,28 +226,35 @@ def test_default_command_hint_on_the_gpu_image(tmp_path):
     assert "hvd_gqsgd:gpu" in built_tags()
 
 
-ALLREDUCE = ("import horovod.torch as hvd, torch; hvd.init(); "
-             "print('sum', hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum).item())")
+# Each rank writes its sum to its own file: mpirun merges the ranks' stdout byte-wise, so printed
+# lines can interleave ("sumsum 3.0\n 3.0") and make a stdout check flaky.
+ALLREDUCE = ("import sys, horovod.torch as hvd, torch; hvd.init(); "
+             "s = hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum).item(); "
+             "open(f'{sys.argv[1]}/rank{hvd.rank()}', 'w').write(repr(s))")
 
 
-def mpirun_two_ranks(extra_env: dict[str, str]) -> subprocess.CompletedProcess:
+def mpirun_two_ranks(extra_env: dict[str, str], out: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_")}
     env.update(extra_env)
     env["PATH"] = os.pathsep.join([str(BIN), os.environ["PATH"]])
     return subprocess.run(["mpirun", "-np", "2", "--bind-to", "none", sys.executable, "-c",
-                           ALLREDUCE], env=env, capture_output=True, text=True, timeout=300)
+                           ALLREDUCE, str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_image_env_lets_root_run_mpirun():
+def test_image_env_lets_root_run_mpirun(tmp_path):
     """The image runs as root: its ENV must let a plain `mpirun` (no flags) start ranks."""
     ompi = {k: v for k, v in image_env(DOCKERFILES[0]).items() if k.startswith("OMPI_")}
-    proc = mpirun_two_ranks(ompi)
+    proc = mpirun_two_ranks(ompi, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # the two ranks' lines can interleave without a newline between them ("sum 3.0sum 3.0")
-    assert re.findall(r"sum (\S+?)(?=sum|\s|$)", proc.stdout) == ["3.0", "3.0"], proc.stdout
+    sums = {f.name: f.read_text() for f in sorted(tmp_path.iterdir())}
+    assert sums == {"rank0": "3.0", "rank1": "3.0"}, (sums, proc.stdout, proc.stderr)
     if os.geteuid() == 0:
-        refused = mpirun_two_ranks({})
+        refused_dir = tmp_path / "refused"
+        refused_dir.mkdir()
+        refused = mpirun_two_ranks({}, refused_dir)
         assert refused.returncode != 0 and "allow-run-as-root" in refused.stderr, refused.stderr
+        assert not any(refused_dir.iterdir())
 
 
 def test_setup_gpu_mode_refuses_cpu_torch():
