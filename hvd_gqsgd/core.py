@@ -32,7 +32,9 @@ A lane never carries into the next because there is nothing to carry: the arithm
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import math
 import os
 from collections.abc import Sequence
@@ -154,25 +156,25 @@ def segments(numels: Sequence[int], block: int) -> tuple[list[int], list[int]]:
 def chunk_plan(counts: Sequence[int], bits: int, chunk_bytes: int) -> list[Chunk]:
     """Split a bucket of tensors with ``counts`` elements into chunks of about ``chunk_bytes``
     packed bytes, cut at word boundaries (so the chunks' words concatenate to the bucket's
-    words).  ``chunk_bytes == 0`` or a bucket that fits in one chunk gives a single chunk."""
+    words).  ``chunk_bytes == 0`` or a bucket that fits in one chunk gives a single chunk.
+    Every count must be positive (scale segments are never empty)."""
     total = sum(counts)
-    step = total
-    if chunk_bytes > 0:
-        step = max(1, chunk_bytes // (WORD_BITS // 8)) * lanes_per_word(bits)
-    ends = [0]
-    for c in counts:
-        ends.append(ends[-1] + c)
-    plan, lo, first = [], 0, 0
-    while lo < total:
+    step = max(1, chunk_bytes // (WORD_BITS // 8)) * lanes_per_word(bits)
+    if chunk_bytes <= 0 or total <= step:
+        return [Chunk(0, total, 0, len(counts), tuple(counts))]
+    # Python work per chunk, not per segment: with scale blocks a 64 MB bucket has 16k
+    # segments, and a per-segment loop here cost more than quantizing the bucket.
+    ends = list(itertools.accumulate(counts, initial=0))
+    plan = []
+    for lo in range(0, total, step):
         hi = min(total, lo + step)
-        while ends[first + 1] <= lo:  # skip tensors that end before this chunk (and empties)
-            first += 1
-        stop, parts = first, []
-        while stop < len(counts) and ends[stop] < hi:
-            parts.append(min(hi, ends[stop + 1]) - max(lo, ends[stop]))
-            stop += 1
+        first = bisect.bisect_right(ends, lo) - 1  # the segment holding element lo
+        stop = bisect.bisect_left(ends, hi, first)  # one past the segment holding hi - 1
+        parts = list(counts[first:stop])
+        parts[0] = min(hi, ends[first + 1]) - lo
+        if stop - first > 1:
+            parts[-1] = hi - ends[stop - 1]
         plan.append(Chunk(lo, hi, first, stop, tuple(parts)))
-        lo = hi
     return plan
 
 

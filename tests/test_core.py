@@ -116,7 +116,7 @@ def test_packed_sum_property(bits, n, numel, seed):
 
 @settings(max_examples=300, deadline=None)
 @given(bits=st.integers(core.MIN_BITS, core.MAX_BITS),
-       counts=st.lists(st.integers(1, 90), min_size=1, max_size=6),
+       counts=st.lists(st.integers(1, 90), min_size=1, max_size=30),
        chunk_bytes=st.integers(0, 100), seed=st.integers(0, 2 ** 31))
 def test_chunked_encoding_concatenates_to_the_whole_bucket(bits, counts, chunk_bytes, seed):
     """Chunks cover the bucket in order, cut at word boundaries, and packing them one by one
@@ -136,9 +136,13 @@ def test_chunked_encoding_concatenates_to_the_whole_bucket(bits, counts, chunk_b
         assert all(c.hi - c.lo <= max(1, chunk_bytes // 8) * lanes for c in plan)
     else:
         assert len(plan) == 1
+    owner = np.repeat(np.arange(len(counts)), counts)  # segment of each element
     parts = []
     for c in plan:
-        assert sum(c.counts) == c.hi - c.lo and len(c.counts) == c.stop - c.first
+        held = np.bincount(owner[c.lo:c.hi], minlength=len(counts))
+        touched = np.flatnonzero(held)
+        assert (c.first, c.stop) == (touched[0], touched[-1] + 1)
+        assert c.counts == tuple(held[c.first:c.stop])
         parts.append(core.encode(ops, flat[c.lo:c.hi], np.repeat(mult[c.first:c.stop], c.counts),
                                  noise[c.lo:c.hi], level, bits))
     np.testing.assert_array_equal(np.concatenate(parts), whole)
