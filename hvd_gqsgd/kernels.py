@@ -1,9 +1,11 @@
 """Fused CPU kernels (numba) for the hot loops of :mod:`hvd_gqsgd.core`.
 
 * ``segment_norms``: every tensor's local norm of a flat bucket in one pass.
-* ``quantize_pack``: clamp and stochastic rounding into a reused int16 buffer, then
-  signed-digit packing into the int64 words.
-* ``unpack_scale``: one tensor's lane sums decoded from the summed words straight to floats.
+* ``quantize_pack``: clamp and stochastic rounding, then signed-digit packing into the int64
+  words.  With 8- and 16-bit lanes the codes are written straight into the words' bytes and
+  one pass over the words fixes their form (see :func:`_byte_lanes`); other widths go
+  through a reused int16 buffer and a packing pass.
+* :class:`Summed`: a bucket's summed words, decoded one tensor at a time straight to floats.
 
 They compute exactly what ``core.quantize`` + ``core.pack`` and ``core.unpack`` + rescale
 compute (tests/test_kernels.py checks this bit for bit), with one difference: the rounding
@@ -20,6 +22,7 @@ cached on disk by numba.  ``HVD_GQSGD_KERNELS=0`` disables them (generic path ev
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
 import numpy as np
@@ -29,7 +32,7 @@ try:
 except ImportError:  # the generic path in core still works
     numba = None  # type: ignore[assignment]
 
-__all__ = ["available", "noise", "segment_norms", "quantize_pack", "unpack_scale"]
+__all__ = ["Summed", "available", "noise", "segment_norms", "quantize_pack"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -187,6 +190,32 @@ if numba is not None:
                     blk += 1
 
 
+    def _from_lanes(words, flip, offset):
+        # Byte lanes (see _byte_lanes): the bytes hold each code in two's complement, V.
+        # Flipping every lane's top bit adds half to each lane without carries, giving U, and
+        # W = U - H is the signed-digit word that core.pack builds.
+        for j in numba.prange(words.size):
+            words[j] = numba.int64((numba.uint64(words[j]) ^ flip) - offset)
+
+    def _to_lanes(words, flip, offset):
+        # The inverse on the summed words: U = W + H holds S_k + half in each lane (no
+        # carries, see _unpack_scale), and flipping the top bits leaves S_k in two's complement.
+        for j in numba.prange(words.size):
+            words[j] = numba.int64((numba.uint64(words[j]) + offset) ^ flip)
+
+    def _scale_lanes(lanes, start, out, scales, block):
+        # out[t] = lanes[start + t] * scales[t // block], in work items of BLOCK elements
+        # and, inside them, runs that share one scale.
+        for w in numba.prange((out.size + BLOCK - 1) // BLOCK):
+            lo, hi = w * BLOCK, min(out.size, (w + 1) * BLOCK)
+            while lo < hi:
+                b = lo // block
+                end = min(hi, (b + 1) * block)
+                scale = scales[b]
+                for t in range(numba.uint64(lo), numba.uint64(end)):  # unsigned: see _pairs
+                    out[t] = lanes[numba.uint64(start) + t] * scale
+                lo = end
+
     def _twin(fn):
         """Compile ``fn`` twice: threaded for big inputs, serial for small ones (a threaded
         launch costs about 1 ms, more than a small tensor's whole work)."""
@@ -197,6 +226,9 @@ if numba is not None:
     _codes_pass = _twin(_codes_pass)
     _pack_pass = _twin(_pack_pass)
     _unpack_scale = _twin(_unpack_scale)
+    _from_lanes = _twin(_from_lanes)
+    _to_lanes = _twin(_to_lanes)
+    _scale_lanes = _twin(_scale_lanes)
 
 
 def _run(kernel, size: int, *args) -> None:
@@ -208,6 +240,20 @@ def _offset(bits: int) -> np.uint64:
     """H = sum_k half * 2^(bits k) over the lanes of a word (see _pack)."""
     half = 1 << (bits - 1)
     return np.uint64(sum(half << (bits * k) for k in range(64 // bits)))
+
+
+def _byte_lanes(bits: int) -> type | None:
+    """The integer type of one lane when lanes are whole bytes (8 or 16 bits on a
+    little-endian host), so a word's lane k is element k of the words viewed as that type;
+    else None.  Codes then go straight into the words (no int16 buffer, no packing pass)."""
+    if sys.byteorder != "little":
+        return None
+    return {8: np.int8, 16: np.int16}.get(bits)
+
+
+def _flip(bits: int) -> np.uint64:
+    """The top bit of every lane of a word."""
+    return np.uint64(sum(1 << (bits * (k + 1) - 1) for k in range(64 // bits)))
 
 
 def _work_items(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -246,15 +292,20 @@ def quantize_pack(x: np.ndarray, counts: np.ndarray, mult: np.ndarray, level: in
     """Quantize flat ``x`` (float32/64; tensor ``s`` is the next ``counts[s]`` elements,
     multiplier ``mult[s] = L / s``) and pack into ``words`` (int64, ``packed_words`` long).
 
-    Two passes, each a loop simple enough to vectorize: int16 codes (work items of at most
-    BLOCK elements inside one tensor, so one multiplier each), then packing."""
+    Two passes, each a loop simple enough to vectorize: codes (work items of at most BLOCK
+    elements inside one tensor, so one multiplier each), then packing, or with byte lanes
+    the fix-up of the words that the codes were written into."""
     seg, item_lo, item_hi = _work_items(counts)
-    codes = _scratch(words.size * (64 // bits))
-    codes[x.size:] = 0  # padding lanes of the last word: code 0, as in core.pack
     item_mult = np.asarray(mult).astype(x.dtype)[seg]
+    lane = _byte_lanes(bits)
+    codes = words.view(lane) if lane else _scratch(words.size * (64 // bits))
+    codes[x.size:] = 0  # padding lanes of the last word: code 0, as in core.pack
     _run(_codes_pass, x.size, x, item_lo, item_hi, item_mult, x.dtype.type(level),
          np.uint64(key), codes)
-    _run(_pack_pass, x.size, codes, bits, _offset(bits), words)
+    if lane:
+        _run(_from_lanes, x.size, words, _flip(bits), _offset(bits))
+    else:
+        _run(_pack_pass, x.size, codes, bits, _offset(bits), words)
 
 
 _SCRATCH = threading.local()  # reused int16 code buffer: a fresh one per call page-faults
@@ -268,11 +319,32 @@ def _scratch(size: int) -> np.ndarray:
     return buf[:size]
 
 
-def unpack_scale(words: np.ndarray, bits: int, start: int, out: np.ndarray,
-                 scales: np.ndarray | float, block: int = 0) -> None:
-    """``out[t] = lane_sum(start + t) * scales[t // block]`` for one tensor of a summed
-    bucket; ``block == 0``: ``scales`` is the tensor's one scale."""
-    if out.size:
+class Summed:
+    """A bucket's summed words, decoded one tensor at a time.
+
+    Takes ownership of ``words``: with byte lanes (8 or 16 bits) they are rewritten in place,
+    once, so that each lane holds its sum as a plain int8/int16 and decoding a tensor is one
+    multiply per element; other widths decode lane fields from the words directly."""
+
+    def __init__(self, words: np.ndarray, bits: int) -> None:
+        self.bits = bits
+        self.words = words
+        self.lanes: np.ndarray | None = None
+        lane = _byte_lanes(bits)
+        if lane:
+            _run(_to_lanes, words.size * (64 // bits), words, _flip(bits), _offset(bits))
+            self.lanes = words.view(lane)
+
+    def unpack_scale(self, start: int, out: np.ndarray, scales: np.ndarray | float,
+                     block: int = 0) -> None:
+        """``out[t] = lane_sum(start + t) * scales[t // block]`` for one tensor of the
+        bucket; ``block == 0``: ``scales`` is the tensor's one scale."""
+        if not out.size:
+            return
         scales = np.atleast_1d(np.asarray(scales)).astype(out.dtype)
-        _run(_unpack_scale, out.size, words, bits, start, out, scales,
-             block if block else out.size, _offset(bits))
+        block = block if block else out.size
+        if self.lanes is not None:
+            _run(_scale_lanes, out.size, self.lanes, start, out, scales, block)
+        else:
+            _run(_unpack_scale, out.size, self.words, self.bits, start, out, scales, block,
+                 _offset(self.bits))

@@ -46,20 +46,21 @@ def test_unpack_scale_matches_generic_path(bits):
     codes[:, 10:20] = -level
     words = sum(core.pack(OPS, c, bits) for c in codes)
     sums = core.unpack(OPS, words, bits, 1000)
+    summed = kernels.Summed(words.copy(), bits)  # decodes many tensors from one bucket
     for start, stop in [(0, 1000), (0, 1), (7, 8), (13, 500), (999, 1000), (8, 16)]:
         out = np.empty(stop - start, dtype=np.float32)
-        kernels.unpack_scale(words, bits, start, out, 0.25)
+        summed.unpack_scale(start, out, 0.25)
         np.testing.assert_array_equal(out, sums[start:stop].astype(np.float32) * np.float32(0.25))
         # per-block scales; blocks of 5 and 12 straddle words, 64 lanes never do
         for block in (5, 12, 64):
             scales = np.linspace(0.5, 3.0, -(-(stop - start) // block))
-            kernels.unpack_scale(words, bits, start, out, scales, block)
+            summed.unpack_scale(start, out, scales, block)
             want = sums[start:stop].astype(np.float32) * np.repeat(
                 scales.astype(np.float32), block)[:stop - start]
             np.testing.assert_array_equal(out, want, err_msg=f"block {block}")
 
 
-@pytest.mark.parametrize("bits", [4, 8, 13])
+@pytest.mark.parametrize("bits", [4, 8, 13, 16])
 @pytest.mark.parametrize("block", [7, 1000, 1024, 50_000])
 def test_unpack_scale_blocks_across_kernel_work_items(bits, block):
     """Tensors longer than the kernel's work items (BLOCK elements), starting mid-word, with
@@ -70,13 +71,14 @@ def test_unpack_scale_blocks_across_kernel_work_items(bits, block):
     codes = rng.integers(-level, level + 1, size=(2, total))
     words = sum(core.pack(OPS, c, bits) for c in codes)
     sums = core.unpack(OPS, words, bits, total)
-    for start in (0, 5, 3 * kernels.BLOCK // 2 + 1):
+    summed = kernels.Summed(words.copy(), bits)
+    middle = 3 * kernels.BLOCK // 2 + 1
+    for start, dtype in [(0, np.float32), (5, np.float64), (middle, np.float32)]:
         size = total - start
         scales = rng.uniform(0.5, 2.0, -(-size // block))
-        out = np.empty(size, dtype=np.float32)
-        kernels.unpack_scale(words, bits, start, out, scales, block)
-        want = sums[start:].astype(np.float32) * np.repeat(scales.astype(np.float32),
-                                                           block)[:size]
+        out = np.empty(size, dtype=dtype)
+        summed.unpack_scale(start, out, scales, block)
+        want = sums[start:].astype(dtype) * np.repeat(scales.astype(dtype), block)[:size]
         np.testing.assert_array_equal(out, want, err_msg=f"start {start}")
 
 
@@ -129,5 +131,5 @@ def test_threaded_kernels_match_generic_path():
                            kernels.noise(9, 0, flat.size), level, bits)
     np.testing.assert_array_equal(words, expected)
     out = np.empty(flat.size, dtype=np.float32)
-    kernels.unpack_scale(words, bits, 0, out, 1.0)
+    kernels.Summed(words.copy(), bits).unpack_scale(0, out, 1.0)
     np.testing.assert_array_equal(out, core.unpack(OPS, words, bits, flat.size))
