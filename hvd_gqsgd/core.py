@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 __all__ = [
     "MIN_BITS",
+    "MIN_SCALE",
     "MAX_BITS",
     "WORD_BITS",
     "NORMS",
@@ -346,11 +347,21 @@ def _numel_of(x: Any) -> int:
 # --------------------------------------------------------------------------- scale and probe
 
 
+MIN_SCALE = 2.0**-100
+"""Global scales below this quantize to all-zero codes (see :func:`multipliers`)."""
+
+
 def multipliers(ops: TensorOps, scales: Any, n_levels: int) -> Any:
     """Per-segment quantization multiplier ``L / s``; 0 where ``s`` is 0 (an all-zero tensor on
     every rank) or not finite (a NaN/Inf somewhere: the result is poisoned in
-    :func:`step_sizes` instead), so no NaN or Inf ever enters the integer codes."""
-    ok = ops.isfinite(scales) & (scales > 0)
+    :func:`step_sizes` instead), so no NaN or Inf ever enters the integer codes.
+
+    Also 0 where ``s < MIN_SCALE`` (2**-100, about 8e-31): such a segment is sent as zeros.
+    Inputs are quantized in float32, where ``L / s`` overflows once ``s`` is below about
+    ``L * 3e-39``; infinite multipliers would round every nonzero element to +-L, and values
+    that small (vanishing gradients deep in a network) are far below what any optimizer step
+    resolves.  With the floor, ``L / s <= 2**115`` fits float32 for every ``bits``."""
+    ok = ops.isfinite(scales) & (scales >= MIN_SCALE)
     return ops.where(ok, n_levels / ops.where(ok, scales, 1.0), 0.0)
 
 

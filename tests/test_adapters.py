@@ -56,7 +56,7 @@ def test_encode_and_unpack_match_numpy(backend, bits, dtype):
 
 def test_multipliers_and_steps_match_numpy(backend):
     ops, make, to_np = backend
-    scales = np.array([2.0, 0.0, np.inf, 0.5])
+    scales = np.array([2.0, 0.0, np.inf, 0.5, 2.0**-100, 2.0**-101])
     np.testing.assert_array_equal(to_np(core.multipliers(ops, make(scales), 10)),
                                   core.multipliers(NP, scales, 10))
     np.testing.assert_array_equal(to_np(core.step_sizes(ops, make(scales), 10)),

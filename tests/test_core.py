@@ -219,6 +219,10 @@ def test_quantize_unbiased_and_variance_bound(dtype):
 def test_multipliers_and_steps_handle_zero_and_nonfinite():
     scales = np.array([2.0, 0.0, np.inf, 0.5])
     np.testing.assert_array_equal(core.multipliers(OPS, scales, 10), [5.0, 0.0, 0.0, 20.0])
+    tiny = np.array([core.MIN_SCALE, core.MIN_SCALE / 2, 1e-40])
+    mult = core.multipliers(OPS, tiny, core.levels(core.MAX_BITS, 1))
+    assert mult[0] == core.levels(core.MAX_BITS, 1) * 2.0**100 and list(mult[1:]) == [0, 0]
+    assert np.isfinite(mult.astype(np.float32)).all()  # the largest multiplier fits float32
     steps = core.step_sizes(OPS, scales, 10)
     assert steps[0] == 0.2 and steps[1] == 0.0 and np.isnan(steps[2]) and steps[3] == 0.05
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from numpy_ops import NumpyOps
@@ -80,6 +82,34 @@ def test_unpack_scale_blocks_across_kernel_work_items(bits, block):
         summed.unpack_scale(start, out, scales, block)
         want = sums[start:].astype(dtype) * np.repeat(scales.astype(dtype), block)[:size]
         np.testing.assert_array_equal(out, want, err_msg=f"start {start}")
+
+
+@pytest.mark.parametrize("bits", [8, 9])
+def test_tiny_and_subnormal_tensors(bits):
+    """Vanishing gradients: a tensor whose scale is below core.MIN_SCALE is sent as zeros
+    (its float32 multiplier would overflow), one just above it is quantized normally, and
+    decoding with a subnormal float32 scale matches a float32 multiply."""
+    level = core.levels(bits, 2)
+    rng = np.random.default_rng(bits)
+    small = (rng.uniform(-1, 1, 300) * 1e-38).astype(np.float32)  # mostly subnormal
+    fine = (rng.uniform(-1, 1, 300) * 2.0**-99).astype(np.float32)
+    flat = np.concatenate([small, fine])
+    counts = np.array([300, 300])
+    scales = np.array([np.abs(small).max(), np.abs(fine).max()], dtype=np.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow in casting multipliers to float32
+        mult = core.multipliers(OPS, scales, level)
+        words = np.empty(core.packed_words(flat.size, bits), dtype=np.int64)
+        kernels.quantize_pack(flat, counts, mult, level, bits, 7, words)
+    expected = core.encode(OPS, flat, np.repeat(mult.astype(np.float32), counts),
+                           kernels.noise(7, 0, flat.size), level, bits)
+    np.testing.assert_array_equal(words, expected)
+    codes = core.unpack(OPS, words, bits, flat.size)
+    assert not codes[:300].any() and np.abs(codes[300:]).max() == level
+    out = np.empty(300, dtype=np.float32)
+    step = np.float32(1e-40)  # subnormal
+    kernels.Summed(words.copy(), bits).unpack_scale(300, out, step)
+    np.testing.assert_array_equal(out, codes[300:].astype(np.float32) * step)
 
 
 def test_nan_input_gives_code_zero_and_spares_neighbours():
