@@ -155,6 +155,7 @@ class Bucket:
 class _Round:
     """Mutable state of the round in progress (guarded by Engine._lock)."""
 
+    rank: int | None = None  # this rank in the process set, read at the round's first compress
     queued: list[Entry] = field(default_factory=list)
     queued_bytes: int = 0
     outstanding: int = 0  # entries compressed but not yet decompressed
@@ -193,11 +194,13 @@ class Engine:
         b = self.backend
         if not b.is_compressible(tensor):
             return tensor, None
-        rank, _, _ = self._world()
         numel = b.numel(tensor)
         entry = Entry(tensor=tensor, numel=numel, nbytes=b.nbytes(tensor))
         with self._lock:
             r = self._round
+            if r.rank is None:  # once per round: Horovod's process-set queries cost ~15 us
+                r.rank = self._world()[0]
+            rank = r.rank
             r.queued.append(entry)
             r.queued_bytes += entry.nbytes
             r.outstanding += 1

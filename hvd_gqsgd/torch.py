@@ -23,10 +23,10 @@ __all__ = ["GlobalQSGD", "TorchBackend"]
 
 
 def _host_empty(numel: int, dtype: type) -> torch.Tensor:
-    """An uninitialised CPU tensor whose memory NumPy allocated.  NumPy asks the kernel for
-    transparent huge pages on large buffers, torch does not: a fresh 64 MB buffer filled once
-    cost 30 ms more from torch.empty than from np.empty here (THP in "madvise" mode), which
-    was a third of the whole compress + allreduce + decompress."""
+    """An uninitialised CPU tensor whose memory NumPy allocated (decode allocates the same
+    way).  NumPy asks the kernel for transparent huge pages on large buffers, torch does not:
+    a fresh 64 MB buffer filled once cost 30 ms more from torch.empty than from np.empty here
+    (THP in "madvise" mode), which was a third of the whole compress + allreduce + decompress."""
     return torch.from_numpy(np.empty(numel, dtype=dtype))
 
 
@@ -41,6 +41,7 @@ class TorchBackend:
         self._generators: dict[torch.device, torch.Generator] = {}  # generic path, per device
         self._key_base: int | None = None  # fused path: counter-based noise, keyed per bucket
         self._key_serial = 0
+        self._probes: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
 
     # --- core.TensorOps
     def floor(self, x: Any) -> Any:
@@ -90,7 +91,14 @@ class TorchBackend:
         return t.numel() * t.element_size()
 
     def probe(self, values: Sequence[float], like: Any) -> Any:
-        return torch.tensor(values, dtype=torch.float64, device=like.device)
+        # A fresh tensor every time (Horovod reduces it in place), cloned from a cached one:
+        # cloning costs a fifth of building a tensor from a list, once per gradient tensor.
+        key = (tuple(values), like.device)
+        template = self._probes.get(key)
+        if template is None:
+            template = torch.tensor(values, dtype=torch.float64, device=like.device)
+            self._probes[key] = template
+        return template.clone()
 
     def probe_factor(self, reduced: Any, world_size: int) -> Any:
         return core.check_probe(reduced.tolist(), world_size)
@@ -148,17 +156,19 @@ class TorchBackend:
         compute = torch.float64 if like.dtype == torch.float64 else torch.float32
         numel = like.numel()
         if isinstance(state, kernels.Summed):
-            out = _host_empty(numel, np.float64 if compute == torch.float64 else np.float32)
-            state.unpack_scale(offset, out.numpy(), scale.numpy(), block)
+            host = np.empty(tuple(like.shape),
+                            np.float64 if compute == torch.float64 else np.float32)
+            state.unpack_scale(offset, host.reshape(-1), scale.numpy(), block)  # a view
+            out = torch.from_numpy(host)  # already shaped: this runs once per tensor
+            return out if out.dtype == like.dtype else out.to(like.dtype)
+        out = state[offset:offset + numel].to(compute)
+        if block:  # in place, block by block: element i times scale[i // block]
+            full = numel // block
+            out[:full * block].view(full, block).mul_(scale[:full, None].to(compute))
+            if full * block < numel:
+                out[full * block:].mul_(scale[full].to(compute))
         else:
-            out = state[offset:offset + numel].to(compute)
-            if block:  # in place, block by block: element i times scale[i // block]
-                full = numel // block
-                out[:full * block].view(full, block).mul_(scale[:full, None].to(compute))
-                if full * block < numel:
-                    out[full * block:].mul_(scale[full].to(compute))
-            else:
-                out = out * scale
+            out = out * scale
         return out.to(like.dtype).view(like.shape)
 
     def _fused(self, t: Any) -> bool:
