@@ -22,12 +22,12 @@ from .compressor import GlobalQSGD
 __all__ = ["GlobalQSGD", "TorchBackend"]
 
 
-def _host_empty(numel: int, dtype: type) -> torch.Tensor:
-    """An uninitialised CPU tensor whose memory NumPy allocated (decode allocates the same
-    way).  NumPy asks the kernel for transparent huge pages on large buffers, torch does not:
-    a fresh 64 MB buffer filled once cost 30 ms more from torch.empty than from np.empty here
-    (THP in "madvise" mode), which was a third of the whole compress + allreduce + decompress."""
-    return torch.from_numpy(np.empty(numel, dtype=dtype))
+def _host_empty(shape: int | tuple[int, ...], dtype: type) -> torch.Tensor:
+    """An uninitialised CPU tensor whose memory NumPy allocated.  NumPy asks the kernel for
+    transparent huge pages on large buffers, torch does not: a fresh 64 MB buffer filled once
+    cost 30 ms more from torch.empty than from np.empty here (THP in "madvise" mode), which
+    was a third of the whole compress + allreduce + decompress."""
+    return torch.from_numpy(np.empty(shape, dtype=dtype))
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -156,11 +156,11 @@ class TorchBackend:
         compute = torch.float64 if like.dtype == torch.float64 else torch.float32
         numel = like.numel()
         if isinstance(state, kernels.Summed):
-            host = np.empty(tuple(like.shape),
-                            np.float64 if compute == torch.float64 else np.float32)
-            state.unpack_scale(offset, host.reshape(-1), scale.numpy(), block)  # a view
-            out = torch.from_numpy(host)  # already shaped: this runs once per tensor
-            return out if out.dtype == like.dtype else out.to(like.dtype)
+            # allocated in its final shape: no reshape per tensor on the way out
+            out = _host_empty(tuple(like.shape),
+                              np.float64 if compute == torch.float64 else np.float32)
+            state.unpack_scale(offset, out.numpy().reshape(-1), scale.numpy(), block)
+            return out.to(like.dtype)
         out = state[offset:offset + numel].to(compute)
         if block:  # in place, block by block: element i times scale[i // block]
             full = numel // block
