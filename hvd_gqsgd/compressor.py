@@ -76,6 +76,16 @@ class GlobalQSGD:
             and brought a char-level LSTM at 8 bits and 4 ranks from +4.3% to +0.4% of
             fp32's validation loss (docs/CONVERGENCE.md).  0: one scale per tensor.  A
             NaN/Inf poisons only its own block.
+        hierarchical: sum in full precision inside each node (Horovod's ``local_rank`` /
+            ``cross_rank``), then run Global-QSGD across nodes only, so ``L`` is set by the
+            node count: 8 nodes of 8 ranks keep ``L = 15`` at ``bits=8`` where flat
+            Global-QSGD has 1.  Each rank quantizes and sends its own shard across the
+            network; the result is bit-identical on all ranks.  Works after a plain
+            ``hvd.init()`` on the global process set (5 collectives per bucket, all
+            alltoalls but two small MAX allreduces; :mod:`hvd_gqsgd.hierarchical`).  Falls
+            back to flat Global-QSGD with one node or one rank per node, and, with a
+            one-time ``RuntimeWarning``, when nodes have unequal rank counts.  PyTorch only;
+            not with ``chunk_bytes`` or a ``process_set``.
 
     .. warning::
         * **Op.** Any ``op`` that sums works: ``Average`` (the default), ``Sum``, and
@@ -98,9 +108,11 @@ class GlobalQSGD:
     def __init__(self, bits: int = 8, norm: str = "max", seed: int | None = None,
                  process_set: Any = None, bucket_bytes: int = 0,
                  chunk_bytes: int = core.DEFAULT_CHUNK_BYTES,
-                 scale_block: int = core.DEFAULT_SCALE_BLOCK) -> None:
+                 scale_block: int = core.DEFAULT_SCALE_BLOCK, hierarchical: bool = False
+                 ) -> None:
         self.settings = core.Settings(bits=bits, norm=norm, seed=seed, bucket_bytes=bucket_bytes,
-                                      chunk_bytes=chunk_bytes, scale_block=scale_block)
+                                      chunk_bytes=chunk_bytes, scale_block=scale_block,
+                                      hierarchical=hierarchical)
         self.process_set = process_set
         self._uid = next(GlobalQSGD._instances)
         self._engines: dict[str, Engine] = {}  # framework name -> its engine
@@ -109,7 +121,8 @@ class GlobalQSGD:
     def __repr__(self) -> str:
         s = self.settings
         return (f"GlobalQSGD(bits={s.bits}, norm={s.norm!r}, seed={s.seed!r}, "
-                f"scale_block={s.scale_block})")
+                f"scale_block={s.scale_block}"
+                + (", hierarchical=True)" if s.hierarchical else ")"))
 
     def compress(self, tensor: Any) -> tuple[Any, Any]:
         """Horovod compressor hook.  Queues ``tensor`` and returns ``(probe, ctx)``."""

@@ -226,6 +226,8 @@ class Settings:
         chunk_bytes: send a bucket's packed codes as Sum allreduces of about this many bytes
             each, so that quantizing one chunk overlaps sending the previous (0 = one
             allreduce per bucket).
+        hierarchical: sum in full precision inside each node and quantize only across
+            nodes, so ``levels`` counts nodes, not ranks (:mod:`hvd_gqsgd.hierarchical`).
     """
 
     bits: int = 8
@@ -234,6 +236,7 @@ class Settings:
     bucket_bytes: int = 0
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     scale_block: int = DEFAULT_SCALE_BLOCK
+    hierarchical: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, int):
@@ -263,6 +266,12 @@ class Settings:
             raise ValueError(
                 f"scale_block must be an int >= 0 (elements per scale; 0 = per tensor), got "
                 f"{self.scale_block!r}")
+        if not isinstance(self.hierarchical, bool):
+            raise ValueError(f"hierarchical must be True or False, got {self.hierarchical!r}")
+        if self.hierarchical and self.chunk_bytes:
+            raise ValueError(
+                f"hierarchical=True sends each bucket as one shard per rank, not in chunks; "
+                f"got chunk_bytes={self.chunk_bytes}: use chunk_bytes=0 with it")
 
 
 # --------------------------------------------------------------------------- tensor ops

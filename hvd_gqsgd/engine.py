@@ -21,6 +21,11 @@ Life of a round (all ranks must make the same calls in the same order)::
     decompress(probe_k, ctx_k)          rescale from the already-unpacked bucket
     (all results taken -> the round ends; in eager mode collective names restart, so
      Horovod's response cache sees the same names every step)
+
+With ``Settings.hierarchical`` the flush first reads the node layout (one small MAX
+allreduce) and, when there are several nodes of equal size, hands steps 1-3 and the unpack to
+:func:`hvd_gqsgd.hierarchical.reduce`: full-precision sums inside each node, codes summed
+across nodes only, so ``L`` is set by the node count.  ``decompress`` is unchanged.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from . import core
+from . import core, hierarchical
 
 __all__ = ["Backend", "Engine", "Entry", "Stats"]
 
@@ -255,7 +260,11 @@ class Engine:
         if not r.queued:
             return
         rank, size, pset = self._world()
-        n_levels = core.levels(self.settings.bits, size)  # re-read every flush: elastic resizes
+        name = f"{self._prefix}.b{self._serial}"
+        self._serial += 1
+        tree = self._tree(rank, size, pset, name)  # None: flat Global-QSGD
+        # re-read every flush: elastic resizes.  Hierarchical: lanes sum one code per node
+        n_levels = core.levels(self.settings.bits, tree.cross_size if tree else size)
         entries, r.queued, r.queued_bytes = r.queued, [], 0
         bucket = Bucket(entries=entries, rank=rank, world_size=size, n_levels=n_levels,
                         remaining=len(entries))
@@ -266,10 +275,11 @@ class Engine:
             e.bucket, e.index, e.stop, e.offset = bucket, first[i], first[i + 1], offset
             offset += e.numel
         bucket.total = offset
-        name = f"{self._prefix}.b{self._serial}"
-        self._serial += 1
         with r.timing("quantize_s"):
             flat = self.backend.flat_concat([e.tensor for e in entries])
+        if tree is not None:
+            hierarchical.reduce(self.backend, self.settings, tree, bucket, flat, name, pset, r)
+            return
         scales = self._exchange_scales(bucket, flat, f"{name}.scale", pset)
         with r.timing("quantize_s"):
             self._send_codes(bucket, flat, scales, f"{name}.codes", pset)
@@ -303,6 +313,15 @@ class Engine:
                              bucket.rank)
             bucket.handles.append(
                 b.allreduce_sum_async(words, name if whole else f"{name}{i}", pset))
+
+    def _tree(self, rank: int, size: int, pset: Any, name: str) -> hierarchical.Tree | None:
+        """COLLECTIVE with ``Settings.hierarchical``: the node layout (see
+        :mod:`hvd_gqsgd.hierarchical`), or None for flat Global-QSGD."""
+        if not self.settings.hierarchical:
+            return None
+        with self._round.timing("scale_wait_s"):
+            return hierarchical.topology(self.backend, rank, size, pset, f"{name}.topo",
+                                         self._round.queued[0].tensor)
 
     def _world(self) -> tuple[int, int, Any]:
         """(rank, size, set) of the compressor's process set, read afresh: elastic resizes."""

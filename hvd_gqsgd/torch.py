@@ -210,6 +210,26 @@ class TorchBackend:
     def wait(self, handle: Any) -> Any:
         return hvd.synchronize(handle)
 
+    # --- hierarchical (hvd_gqsgd.hierarchical)
+    def topology(self) -> tuple[int, int, int, int]:
+        return hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()
+
+    def alltoall(self, t: Any, splits: Sequence[int], name: str, process_set: Any) -> Any:
+        handle = hvd.alltoall_async(t, torch.tensor(list(splits), dtype=torch.int32), name=name,
+                                    process_set=process_set)
+        return hvd.synchronize(handle)[0]  # (output, received splits)
+
+    def placed(self, part: Any, start: int, length: int) -> Any:
+        out = part.new_zeros(length)  # zeros around part, which lands at [start, start + len)
+        out[start:start + part.numel()] = part
+        return out
+
+    def sum_rows(self, x: Any, rows: int) -> Any:  # floats add in float64, integers in int64
+        return x.view(rows, -1).sum(0, dtype=torch.float64 if x.is_floating_point() else None)
+
+    def host_list(self, t: Any) -> list[float]:
+        return t.tolist()
+
     def concat_words(self, words: Sequence[Any]) -> Any:
         if words[0].device.type == "cpu":
             out = _host_empty(sum(w.numel() for w in words), np.int64)
