@@ -81,8 +81,8 @@ class GlobalQSGD:
             node count: 8 nodes of 8 ranks keep ``L = 15`` at ``bits=8`` where flat
             Global-QSGD has 1.  Each rank quantizes and sends its own shard across the
             network; the result is bit-identical on all ranks.  Works after a plain
-            ``hvd.init()`` on the global process set (5 collectives per bucket, all
-            alltoalls but two small MAX allreduces; :mod:`hvd_gqsgd.hierarchical`).  Falls
+            ``hvd.init()`` on the global process set (6 collectives per bucket: 4
+            alltoalls and 2 small MAX allreduces; :mod:`hvd_gqsgd.hierarchical`).  Falls
             back to flat Global-QSGD with one node or one rank per node, and, with a
             one-time ``RuntimeWarning``, when nodes have unequal rank counts.  PyTorch only;
             not with ``chunk_bytes`` or a ``process_set``.

@@ -59,7 +59,8 @@ Hazards:
   (``ValueError`` otherwise).
 * A "node" is a value of ``cross_rank``.  The result is correct for any assignment of ranks
   to nodes; speed depends on nodes being real machines.
-* Ranks must flush in the same order (as in flat Global-QSGD): 5 collectives per bucket.
+* Ranks must flush in the same order (as in flat Global-QSGD): 6 collectives per bucket
+  (flat has 2), a latency cost that shows with many small buckets.
 
 Example::
 
