@@ -18,11 +18,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hvd_gqsgd import core  # noqa: E402
 
-__all__ = ["BITS", "WORLD_SIZES", "TARGET_LEVELS", "BEGIN", "END", "render", "replace_block"]
+__all__ = ["BITS", "WORLD_SIZES", "TARGET_LEVELS", "RANKS_PER_NODE", "BEGIN", "END", "render",
+           "replace_block", "hierarchical_cell"]
 
 BITS = (4, 8, 16)
 WORLD_SIZES = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 TARGET_LEVELS = 15  # the "enough levels" rule of thumb the doc recommends
+RANKS_PER_NODE = 8  # the hierarchical column: GlobalQSGD(hierarchical=True), nodes of 8
 FP32_BYTES = 4
 BEGIN = "<!-- levels-table:begin -->"
 END = "<!-- levels-table:end -->"
@@ -58,6 +60,15 @@ def suggest(n: int, target: int = TARGET_LEVELS) -> str:
     return f"{bits} (L={core.levels(bits, n)}, {_fmt(cheapest)} B)"
 
 
+def hierarchical_cell(n: int, per_node: int = RANKS_PER_NODE) -> str:
+    """``L`` at bits 4 / 8 / 16 for ``hierarchical=True`` on ``n // per_node`` nodes: the
+    lanes sum one code per node, so ``levels`` counts nodes."""
+    nodes = n // per_node
+    if nodes < 2:
+        return "flat (one node)"
+    return " / ".join(cell(b, nodes) for b in BITS)
+
+
 def _fmt(x: Fraction) -> str:
     return f"{float(x):.3g}"
 
@@ -77,10 +88,12 @@ def render() -> str:
              + " | ".join(_fmt(FP32_BYTES / bytes_per_element(b)) + "x" for b in widths) + " |",
              "", "Levels per sign per rank, `L = floor((2^(bits-1) - 1) / n)`:", "",
              "| ranks n | " + " | ".join(f"bits={b}" for b in BITS)
-             + f" | bits for L ≥ {TARGET_LEVELS} (L, bytes per element) |",
-             "|---|" + "---|" * (len(BITS) + 1)]
+             + f" | bits for L ≥ {TARGET_LEVELS} (L, bytes per element)"
+             + f" | hierarchical, {RANKS_PER_NODE} ranks per node: L at bits="
+             + "/".join(str(b) for b in BITS) + " |",
+             "|---|" + "---|" * (len(BITS) + 2)]
     for n in WORLD_SIZES:
-        cells = [cell(b, n) for b in BITS] + [suggest(n)]
+        cells = [cell(b, n) for b in BITS] + [suggest(n), hierarchical_cell(n)]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -140,6 +140,26 @@ def test_every_levels_cell_matches_the_bound():
             assert got == want, (bits, n)
 
 
+def test_hierarchical_column_counts_nodes_of_eight():
+    """GlobalQSGD(hierarchical=True) sums one code per node: L is the bound at n / 8 nodes;
+    one node falls back to flat."""
+    rows = _levels_rows()
+    assert rows["ranks n"][4] == "hierarchical, 8 ranks per node: L at bits=4/8/16"
+    for n, cells in rows.items():
+        if n == "ranks n":
+            continue
+        nodes = int(n) // 8
+        if nodes < 2:
+            assert cells[4] == "flat (one node)", n
+            continue
+        want = []
+        for bits in (4, 8, 16):
+            level = _levels(bits, nodes)
+            want.append(str(level) if level else f"error (needs bits ≥ {_min_bits(nodes)})")
+        assert cells[4] == " / ".join(want), n
+    assert rows["64"][4].split(" / ")[1] == "15"  # the issue's 8 nodes x 8 GPUs at 8 bits
+
+
 def test_suggested_bits_are_the_cheapest_with_15_levels():
     for n, cells in _levels_rows().items():
         if n == "ranks n":
