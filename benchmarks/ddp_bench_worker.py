@@ -1,0 +1,164 @@
+"""One rank of benchmarks/ddp_bench.py: a communication-bound training step under PyTorch DDP
+with each communication hook in turn (``--mode ddp``), or under Horovod's
+``DistributedOptimizer`` (``--mode horovod``) for comparison.
+
+The model and task are train_worker.py's: an MLP with about 64 MB of fp32 gradient (several
+25 MB DDP buckets) on a small batch, regression onto ``tanh`` of a fixed random linear map,
+SGD at lr 0.5 so that the steps lower the held-out loss visibly.  Every variant starts from the
+same weights and sees the same batches.  Rank 0 prints one JSON line per variant: the median
+step time of the slowest rank over the timed steps (after ``--warmup`` untimed steps, which
+also cover PowerSGD's plain-allreduce warm-up), and the held-out loss before and after.
+
+Ranks and rendezvous come from mpirun (OMPI_COMM_WORLD_*) or torchrun (RANK, WORLD_SIZE), with
+MASTER_ADDR/MASTER_PORT set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+VARIANTS = ("default", "fp16", "bf16", "powersgd1", "powersgd4", "gqsgd8", "gqsgd4")
+HOROVOD_VARIANTS = ("hvd-none", "hvd-gqsgd8")
+
+
+def model(width: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.ReLU(),
+                               torch.nn.Linear(2 * width, width))
+
+
+def register(net: DDP, name: str) -> None:
+    """Install variant ``name``'s communication hook (``default``: DDP's own allreduce)."""
+    if name in ("fp16", "bf16"):
+        hook = {"fp16": default_hooks.fp16_compress_hook,
+                "bf16": default_hooks.bf16_compress_hook}[name]
+        net.register_comm_hook(None, hook)
+    elif name.startswith("powersgd"):
+        state = powerSGD_hook.PowerSGDState(process_group=None,
+                                            matrix_approximation_rank=int(name[8:]),
+                                            start_powerSGD_iter=2)
+        net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif name.startswith("gqsgd"):
+        from hvd_gqsgd.ddp import GlobalQSGDState, global_qsgd_hook
+
+        net.register_comm_hook(GlobalQSGDState(bits=int(name[5:])), global_qsgd_hook)
+    elif name != "default":
+        raise ValueError(f"unknown variant {name!r}: expected one of {VARIANTS}")
+
+
+class Task:
+    """Batches (different per rank, the same for every variant) and the held-out loss."""
+
+    def __init__(self, width: int, batch: int, rank: int) -> None:
+        torch.manual_seed(1)
+        self.target = torch.nn.Linear(width, width)
+        self.width, self.batch, self.rank = width, batch, rank
+        held = torch.randn(64, width, generator=torch.Generator().manual_seed(12345))
+        with torch.no_grad():
+            self.held = (held, torch.tanh(self.target(held)))
+
+    def batches(self) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        gen = torch.Generator().manual_seed(self.rank)
+
+        def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+            x = torch.randn(self.batch, self.width, generator=gen)
+            with torch.no_grad():
+                return x, torch.tanh(self.target(x))
+
+        return next_batch
+
+    def held_out_loss(self, net: torch.nn.Module) -> float:
+        with torch.no_grad():
+            return float(torch.nn.functional.mse_loss(net(self.held[0]), self.held[1]))
+
+
+def timed_steps(net: torch.nn.Module, opt: torch.optim.Optimizer, task: Task, args,
+                barrier: Callable[[], None]) -> list[float]:
+    """Train ``warmup + steps`` steps; the seconds of the last ``steps``."""
+    next_batch, times = task.batches(), []
+    for i in range(args.warmup + args.steps):
+        x, y = next_batch()
+        barrier()
+        start = time.perf_counter()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def run_ddp(name: str, task: Task, args) -> dict:
+    net = DDP(model(args.width))
+    register(net, name)
+    opt = torch.optim.SGD(net.parameters(), lr=args.lr)
+    loss_start = task.held_out_loss(net)
+    times = timed_steps(net, opt, task, args, dist.barrier)
+    slowest = torch.tensor(statistics.median(times))
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return {"variant": name, "median_s": float(slowest), "loss_start": loss_start,
+            "loss_end": task.held_out_loss(net)}
+
+
+def run_horovod(name: str, task: Task, args) -> dict:
+    import horovod.torch as hvd
+
+    from hvd_gqsgd import GlobalQSGD
+
+    net = model(args.width)
+    kind = name.removeprefix("hvd-")  # hvd-none or hvd-gqsgd<bits>
+    compression = GlobalQSGD(bits=int(kind[5:])) if kind != "none" else hvd.Compression.none
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=args.lr),
+                                   named_parameters=net.named_parameters(),
+                                   compression=compression)
+    loss_start = task.held_out_loss(net)
+    times = timed_steps(net, opt, task, args,
+                        lambda: hvd.allreduce(torch.zeros(1), name="barrier"))
+    slowest = hvd.allreduce(torch.tensor(statistics.median(times)), op=hvd.Max, name=name)
+    return {"variant": name, "median_s": float(slowest), "loss_start": loss_start,
+            "loss_end": task.held_out_loss(net)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=("ddp", "horovod"), default="ddp")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--width", type=int, default=2048)  # 2 x 2048 x 4096 ~ 64 MB fp32
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    env = os.environ
+    rank = int(env.get("OMPI_COMM_WORLD_RANK", env.get("RANK", "0")))
+    size = int(env.get("OMPI_COMM_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
+    torch.set_num_threads(1)
+    task = Task(args.width, args.batch, rank)
+    if args.mode == "horovod":
+        import horovod.torch as hvd
+
+        hvd.init()
+        run = run_horovod
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=size)
+        run = run_ddp
+    for name in args.variants.split(","):
+        row = {**run(name, task, args), "ranks": size, "mode": args.mode}
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+    if args.mode == "ddp":
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,343 @@
+r"""Global-QSGD as a PyTorch DDP communication hook.  Needs torch only, no Horovod::
+
+    from hvd_gqsgd.ddp import GlobalQSGDState, global_qsgd_hook
+    ddp_model.register_comm_hook(GlobalQSGDState(bits=8), global_qsgd_hook)
+
+It mirrors ``PowerSGDState`` + ``powerSGD_hook``: a small state object (settings, the rank's
+noise stream, :class:`hvd_gqsgd.engine.Stats`) and a hook that DDP calls once per gradient
+bucket during backward.  The algorithm and every formula are the Horovod path's
+(:mod:`hvd_gqsgd.core`, and :mod:`hvd_gqsgd.kernels` for CPU tensors); this module only
+translates a flat ``GradBucket`` into them and issues ``torch.distributed`` collectives.
+
+Importing this module imports torch and ``torch.distributed``, never Horovod or TensorFlow.
+"""
+
+# No ``from __future__ import annotations``: DDP's register_comm_hook compares the hook's
+# annotations with ``dist.GradBucket`` and ``Future[Tensor]`` objects, not strings.
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import core, kernels
+from .engine import FIGURES, Stats
+
+__all__ = ["GlobalQSGDState", "global_qsgd_hook"]
+
+
+class _TorchOps:
+    """:class:`hvd_gqsgd.core.TensorOps` as torch functions: the generic path of the hook
+    (CUDA tensors, or CPU with ``HVD_GQSGD_KERNELS=0``), where the fused numba kernels cannot
+    run.  No formula here: core decides what is computed."""
+
+    floor = staticmethod(torch.floor)
+    clamp = staticmethod(torch.clamp)
+    less = staticmethod(torch.lt)
+    isfinite = staticmethod(torch.isfinite)
+    where = staticmethod(torch.where)
+    bitand = staticmethod(torch.bitwise_and)
+    rshift = staticmethod(torch.bitwise_right_shift)
+
+    @staticmethod
+    def to_int64(x: torch.Tensor) -> torch.Tensor:
+        return x.long()
+
+    @staticmethod
+    def pad_reshape(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        return torch.cat([x, x.new_zeros(rows * cols - x.numel())]).view(rows, cols)
+
+    @staticmethod
+    def column(x: torch.Tensor, k: int) -> torch.Tensor:
+        return x.select(1, k)
+
+    @staticmethod
+    def stack_columns(cols: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
+        return torch.stack(list(cols), 1).flatten()[:numel]
+
+
+# torch's own signatures are wider than the protocol's; the generic-path tests exercise them
+_OPS = cast(core.TensorOps, _TorchOps())
+
+
+@dataclass
+class _Layout:
+    """Scale segments of one bucket layout (cached: DDP keeps a bucket's layout fixed once it
+    has rebuilt its buckets after the first iteration)."""
+
+    numels: list[int]  # per gradient tensor, in bucket order
+    counts: list[int]  # elements per scale segment (core.segments)
+    first: list[int]  # tensor i owns segments first[i]:first[i+1]
+    total: int
+    segment_ids: dict[torch.device, torch.Tensor] = field(default_factory=dict)  # generic path
+
+    def segment_of(self, device: torch.device) -> torch.Tensor:
+        """Segment index of every element (int64, ``total`` long; generic path only)."""
+        ids = self.segment_ids.get(device)
+        if ids is None:
+            counts = torch.tensor(self.counts, device=device)
+            ids = torch.repeat_interleave(torch.arange(len(self.counts), device=device), counts,
+                                          output_size=self.total)
+            self.segment_ids[device] = ids
+        return ids
+
+
+@dataclass
+class _Step:
+    """Figures of the DDP step in progress; a step ends when the bucket that DDP marks
+    ``is_last()`` and every earlier one are decoded."""
+
+    figures: dict[str, float] = field(default_factory=lambda: dict.fromkeys(FIGURES, 0))
+    tensors: int = 0
+    pending: int = 0  # buckets whose Sum all_reduce has not been decoded yet
+    closing: bool = False  # the step's last bucket has entered the hook
+
+
+class GlobalQSGDState:
+    """State of :func:`global_qsgd_hook` for one DDP model.
+
+    Example::
+
+        from hvd_gqsgd.ddp import GlobalQSGDState, global_qsgd_hook
+
+        model = DDP(model)                                   # after init_process_group
+        state = GlobalQSGDState(bits=8)
+        model.register_comm_hook(state, global_qsgd_hook)
+        ...
+        print(state.stats.as_dict())                         # bytes and seconds per step
+
+    Args:
+        process_group: the group DDP reduces over; pass DDP's ``process_group`` when it is
+            not the default group (the hook cannot see which group DDP was given).
+        bits: lane width, 2..16.  ``L = floor((2**(bits-1) - 1) / n)`` levels per sign at
+            group size ``n``; too few bits for ``n`` raises ``ValueError`` naming the bits
+            that work (here if the group is known already, else at the first bucket).
+        norm: ``"max"`` or ``"l2"``: the local norm whose MAX over ranks is the scale.
+        seed: ``None`` seeds each rank's rounding noise from the OS; an int makes it
+            reproducible.  Either way ranks draw independent noise and torch's global RNG is
+            neither read nor advanced.
+        scale_block: elements per global scale inside each gradient tensor (0: one scale per
+            tensor).  1024 costs 8 bytes of MAX all_reduce per 1024 elements.
+
+    Checkpointing: the state pickles (``torch.save``) without its process group, like
+    ``PowerSGDState``; a loaded state uses the default group (set ``process_group`` after
+    loading for a subgroup) and re-derives its noise key from its new rank, so a rank-0
+    checkpoint loaded on every rank still gives independent noise.
+    """
+
+    _TRANSIENT = ("process_group", "_key_base", "_layouts", "_generators", "_lock", "_step")
+
+    def __init__(self, process_group: Any = None, bits: int = 8, norm: str = "max",
+                 seed: int | None = None,
+                 scale_block: int = core.DEFAULT_SCALE_BLOCK) -> None:
+        # settings: validated once, immutable
+        self.settings = core.Settings(bits=bits, norm=norm, seed=seed, scale_block=scale_block)
+        self.process_group = process_group
+        # cumulative figures, one round per DDP step (engine.Stats: bytes and seconds)
+        self.stats = Stats()
+        # noise: bucket k of this rank is keyed core.noise_key(base, serial); base comes from
+        # (seed, rank) at the first bucket, the serial survives checkpoints
+        self._key_serial = 0
+        self._reset_transient()
+        if process_group is not None or dist.is_initialized():
+            core.levels(bits, self._group_size())  # fail at construction, not in backward
+
+    def _reset_transient(self) -> None:
+        self._key_base: int | None = None
+        self._layouts: dict[tuple[int, ...], _Layout] = {}
+        self._generators: dict[torch.device, torch.Generator] = {}  # generic path only
+        self._lock = threading.Lock()  # guards _step: decodes run on the backend's threads
+        self._step = _Step()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in self._TRANSIENT}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.process_group = None  # the default group, read when the hook runs
+        self._reset_transient()
+
+    # ----------------------------------------------------------------- used by the hook
+
+    def _group_size(self) -> int:
+        return dist.get_world_size(self.process_group)
+
+    def _next_key(self) -> int:
+        """This rank's 64-bit noise key for the next bucket (counter-based, see kernels)."""
+        if self._key_base is None:
+            self._key_base = core.rank_seed(self.settings.seed, dist.get_rank())
+        self._key_serial += 1
+        return core.noise_key(self._key_base, self._key_serial)
+
+    def _layout(self, numels: list[int]) -> _Layout:
+        key = tuple(numels)
+        layout = self._layouts.get(key)
+        if layout is None:
+            counts, first = core.segments(numels, self.settings.scale_block)
+            layout = _Layout(numels, counts, first, sum(numels))
+            self._layouts[key] = layout
+        return layout
+
+    def _uniform(self, like: torch.Tensor, key: int) -> torch.Tensor:
+        """Generic path: uniforms in [0, 1) for a bucket, from a generator re-seeded with the
+        bucket's key, so the stream is a function of (seed, rank, serial) as on CPU."""
+        gen = self._generators.get(like.device)
+        if gen is None:
+            gen = self._generators[like.device] = torch.Generator(device=like.device)
+        gen.manual_seed(key >> 1)  # manual_seed takes 63 bits
+        return torch.rand(like.shape, dtype=like.dtype, device=like.device, generator=gen)
+
+    def _begin(self, tensors: int, last: bool, figures: dict[str, float]) -> None:
+        with self._lock:
+            self._step.pending += 1
+            self._step.tensors += tensors
+            self._step.closing |= last
+            self._add(figures)
+
+    def _end(self, figures: dict[str, float]) -> None:
+        with self._lock:
+            step = self._step
+            self._add(figures)
+            step.pending -= 1
+            if step.closing and step.pending == 0:
+                self.stats.add_round(step.figures, step.tensors)
+                self._step = _Step()
+
+    def _add(self, figures: dict[str, float]) -> None:
+        for name, value in figures.items():
+            self._step.figures[name] += value
+
+
+def global_qsgd_hook(state: GlobalQSGDState,
+                     bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    r"""DDP communication hook: the bucket's average over the group, by Global-QSGD.
+
+    For the ``n`` ranks of ``state.process_group`` and the bucket's flat buffer ``x_i``
+    (DDP's concatenated gradients, fp32/fp16/bf16/fp64, CPU or CUDA):
+
+    1. **Local norms.** Each gradient tensor of the bucket is cut into blocks of
+       ``scale_block`` elements; each block's :math:`\|x_i\|_\infty` (or :math:`\|x_i\|_2`),
+       ``inf`` for a block holding NaN/Inf.
+    2. **Global scale** (COLLECTIVE, float64 MAX ``all_reduce``): :math:`s` per block, the
+       same on every rank.
+    3. **Quantize and pack** (local): :math:`L = \lfloor (2^{bits-1} - 1)/n \rfloor`,
+       :math:`q = \lfloor xL/s \rfloor + [u < \mathrm{frac}(xL/s)]` with ``u`` from the rank's
+       own counter-based stream (unbiased, :math:`E[q] = xL/s`); ``64 // bits`` codes per
+       int64 word as signed digits.
+    4. **Sum** (COLLECTIVE, async int64 SUM ``all_reduce``): lane sums stay in
+       :math:`[-nL, nL]`, inside a ``bits``-bit lane, so words add without carries.
+    5. **Rescale** (``Future.then``): :math:`\frac{1}{n}\sum_i q_i \cdot s/L`, written into
+       the bucket's buffer in its dtype.  Bit-identical on every rank.
+
+    Bytes on the wire per element: ``8 / (64 // bits)`` (1 at 8 bits, 4x fewer than fp32)
+    plus 8 per block for step 2.
+
+    Hazards:
+        * Collective order.  Both all_reduces are issued here, on the autograd thread, in
+          bucket order.  Launching the Sum from a ``Future.then`` callback (after an async
+          MAX) would let it race with the next bucket's MAX and with DDP's own all_reduce of
+          unused-parameter flags; Gloo and NCCL match collectives by issue order, so ranks
+          issuing them in different orders exchange the wrong tensors.  The MAX is small
+          (8 bytes per block) and its wait is one round trip; the Sum, the bulk of the
+          bytes, overlaps the rest of backward.
+        * NaN/Inf in a block on any rank: that block is NaN on every rank, so AMP's
+          ``GradScaler`` skips the step everywhere.
+        * The group: ``state.process_group`` must be the group DDP was given.
+
+    Example::
+
+        ddp_model.register_comm_hook(GlobalQSGDState(bits=8), global_qsgd_hook)
+    """
+    start = time.perf_counter()
+    bits, group = state.settings.bits, state.process_group
+    size = state._group_size()
+    n_levels = core.levels(bits, size)  # ValueError naming the bits that work
+    buffer = bucket.buffer()
+    layout = state._layout([g.numel() for g in bucket.gradients()])
+    if layout.total != buffer.numel():
+        raise RuntimeError(f"GlobalQSGD: the bucket's gradients hold {layout.total} elements "
+                           f"but its buffer {buffer.numel()}; DDP's bucket layout changed")
+    # fp16/bf16 are quantized in fp32 (a copy); fp32/fp64 buffers are read in place
+    flat = buffer if buffer.dtype in (torch.float32, torch.float64) else buffer.float()
+    fused = flat.device.type == "cpu" and kernels.available()
+    norms = _local_norms(flat, layout, state.settings.norm, fused)
+    scaled = time.perf_counter()
+    dist.all_reduce(norms, op=dist.ReduceOp.MAX, group=group)  # COLLECTIVE, blocking
+    exchanged = time.perf_counter()
+    steps = core.step_sizes(_OPS, norms, n_levels) / size  # value of one summed code
+    words = _encode(state, flat, norms, layout, n_levels, fused)
+    launched = time.perf_counter()
+    state._begin(len(layout.numels), bucket.is_last(), {
+        "uncompressed": buffer.numel() * buffer.element_size(),
+        "payload": core.wire_bytes(layout.total, bits), "overhead": 8 * len(layout.counts),
+        "quantize_s": (scaled - start) + (launched - exchanged),
+        "scale_wait_s": exchanged - scaled})
+    future = dist.all_reduce(words, op=dist.ReduceOp.SUM, group=group,
+                             async_op=True).get_future()  # COLLECTIVE
+    return future.then(_decoder(state, buffer, flat, steps, layout, fused, launched))
+
+
+def _local_norms(flat: torch.Tensor, layout: _Layout, norm: str, fused: bool) -> torch.Tensor:
+    """Step 1: float64 norm per scale segment, ``inf`` where a segment is not finite (MAX
+    reductions may drop NaN: ``a > NaN`` is false; ``inf`` always wins)."""
+    if fused:
+        return torch.from_numpy(kernels.segment_norms(flat.numpy(), np.asarray(layout.counts),
+                                                      norm))
+    ids = layout.segment_of(flat.device)
+    out = torch.zeros(len(layout.counts), dtype=torch.float64, device=flat.device)
+    if norm == "max":
+        magnitude = torch.where(torch.isfinite(flat), flat.abs(), torch.inf)
+        out.scatter_reduce_(0, ids, magnitude.double(), "amax")
+        return out
+    # squares in fp64: a finite fp32 block must not overflow its own L2 norm
+    out.index_add_(0, ids, flat.double().square())
+    return torch.nan_to_num(out.sqrt(), nan=torch.inf)
+
+
+def _encode(state: GlobalQSGDState, flat: torch.Tensor, scales: torch.Tensor, layout: _Layout,
+            n_levels: int, fused: bool) -> torch.Tensor:
+    """Step 3: int64 words of the bucket's codes (``core.packed_words`` long)."""
+    bits, key = state.settings.bits, state._next_key()
+    mult = core.multipliers(_OPS, scales, n_levels).to(flat.dtype)  # L / s per segment
+    if fused:
+        words = np.empty(core.packed_words(layout.total, bits), dtype=np.int64)
+        kernels.quantize_pack(flat.numpy(), np.asarray(layout.counts), mult.numpy(), n_levels,
+                              bits, key, words)
+        return torch.from_numpy(words)
+    per_element = mult[layout.segment_of(flat.device)]
+    return core.encode(_OPS, flat, per_element, state._uniform(flat, key), n_levels, bits)
+
+
+def _decoder(state: GlobalQSGDState, buffer: torch.Tensor, flat: torch.Tensor,
+             steps: torch.Tensor, layout: _Layout, fused: bool,
+             launched: float) -> Callable[[torch.futures.Future], torch.Tensor]:
+    """Step 5, as the callback of the Sum all_reduce's future: lane sums times ``steps`` into
+    ``flat`` (the buffer itself for fp32/fp64), then the buffer."""
+    bits, block = state.settings.bits, state.settings.scale_block
+
+    def decode(future: torch.futures.Future) -> torch.Tensor:
+        arrived = time.perf_counter()
+        summed = future.value()[0]
+        scale = steps.to(flat.dtype)  # as the kernels do: lane * float(step), rounded once
+        if fused:
+            lanes, out = kernels.Summed(summed.numpy(), bits), flat.numpy()
+            offset = 0
+            for i, numel in enumerate(layout.numels):
+                lo, hi = layout.first[i], layout.first[i + 1]
+                lanes.unpack_scale(offset, out[offset:offset + numel],
+                                   scale.numpy()[lo:hi] if block else scale.numpy()[lo], block)
+                offset += numel
+        else:
+            sums = core.unpack(_OPS, summed, bits, layout.total)
+            torch.mul(sums.to(flat.dtype), scale[layout.segment_of(flat.device)], out=flat)
+        if flat is not buffer:
+            buffer.copy_(flat)
+        state._end({"codes_wait_s": arrived - launched,
+                    "quantize_s": time.perf_counter() - arrived})
+        return buffer
+
+    return decode
