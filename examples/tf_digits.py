@@ -12,6 +12,12 @@ seeds, with loss curves::
     horovodrun --gloo -np 2 -H localhost:2 python examples/tf_digits.py \\
         --variants none,fp16,gq8,gq4 --seeds 0,1,2 --csv digits_tf.csv --png digits_tf.png
 
+``--fit`` trains with Keras 3 ``model.compile`` + ``model.fit`` instead of the tape loop:
+the optimizer is ``hvd_gqsgd.keras.DistributedOptimizer`` (Horovod's own Keras optimizer never
+reduces under Keras 3), which reduces all gradients of a step in one round::
+
+    horovodrun --gloo -np 2 -H localhost:2 python examples/tf_digits.py --fit
+
 Every compressor trains from the same initial weights and sees the same batches for a given
 seed, with identical hyper-parameters.  This script never imports horovod.torch.
 """
@@ -98,6 +104,59 @@ def wire_bytes(compression, numels: list[int]) -> float:
     return (2 if compression is hvd.Compression.fp16 else 4) * sum(numels)
 
 
+def fit_wire_bytes(compression, numels: list[int]) -> float:
+    """Gradient bytes one rank sends per step in --fit mode: one round for all tensors.
+    GlobalQSGD.stats describes the traced round; its byte figures depend on shapes only."""
+    if isinstance(compression, GlobalQSGD):
+        return float(compression.stats.last_payload + compression.stats.last_overhead)
+    return (2 if compression is hvd.Compression.fp16 else 4) * sum(numels)
+
+
+class _Progress(tf.keras.callbacks.Callback):
+    def __init__(self, bar) -> None:
+        super().__init__()
+        self.bar = bar
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.bar.update()
+
+
+def train_fit(variant, seed: int, data, args, bar) -> dict:
+    """Keras 3 model.fit, one fit call per epoch on this rank's permuted rows (the same
+    batches as the tape loop)."""
+    from hvd_gqsgd.keras import (
+        BroadcastGlobalVariablesCallback,
+        DistributedOptimizer,
+        MetricAverageCallback,
+    )
+
+    xtr, ytr, xte, yte = data
+    model = build_model(seed)
+    compression = build_compressor(variant, hvd, seed)
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(optimizer=DistributedOptimizer(tf.keras.optimizers.SGD(args.lr, momentum=0.9),
+                                                 compression=compression), loss=loss_fn)
+    callbacks = [BroadcastGlobalVariablesCallback(0), MetricAverageCallback(), _Progress(bar)]
+    rng = np.random.default_rng(rank_seed(seed, hvd.rank()))
+    curve = [log_point(0, None, model, loss_fn, xte, yte)]
+    steps, start = 0, time.perf_counter()
+    for _ in range(args.epochs):
+        perm = rng.permutation(len(xtr))
+        perm = perm[:len(perm) - len(perm) % args.batch]  # whole batches, as the loop takes
+        hist = model.fit(xtr[perm], ytr[perm], batch_size=args.batch, epochs=1, verbose=0,
+                         shuffle=False, callbacks=callbacks)
+        steps += len(perm) // args.batch
+        curve.append(log_point(steps, hist.history["loss"][-1], model, loss_fn, xte, yte))
+        bar.set_postfix_str(f"test loss {curve[-1]['test_loss']:.3f}")
+    wall = time.perf_counter() - start
+    numels = [int(np.prod(v.shape)) for v in model.trainable_variables]
+    wire = fit_wire_bytes(compression, numels)
+    return {"spec": variant.spec, "label": variant.label, "seed": seed, "steps": steps,
+            "test_acc": curve[-1]["test_acc"], "test_loss": curve[-1]["test_loss"],
+            "bytes_per_step": wire, "bytes_vs_fp32": 4 * sum(numels) / wire, "wall_s": wall,
+            "curve": curve}
+
+
 def train(variant, seed: int, data, args, bar) -> dict:
     xtr, ytr, xte, yte = data
     model = build_model(seed)
@@ -152,9 +211,15 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (momentum 0.9)")
     parser.add_argument("--bits", type=int, default=8,
                         help="GlobalQSGD bits of the default comparison (--variants none,gq8)")
+    parser.add_argument("--fit", action="store_true",
+                        help="train with Keras 3 model.fit and hvd_gqsgd.keras."
+                             "DistributedOptimizer instead of a DistributedGradientTape loop")
     add_common_args(parser, default_variants=None, variants_help="none,gq<--bits>")
     args = parser.parse_args()
     variants = parse_variants(args.variants or f"none,gq{args.bits}")
+    if args.fit and tf.keras.__name__.startswith("tf_keras"):
+        parser.error("--fit needs Keras 3 (hvd_gqsgd.keras); under TF_USE_LEGACY_KERAS=1 use "
+                     "horovod.tensorflow.keras.DistributedOptimizer, or drop --fit")
     hvd.init()
     data = shard(hvd.rank(), hvd.size())
     jobs = [(seed, v) for seed in seeds_of(args.seeds) for v in variants]
@@ -163,15 +228,16 @@ def main() -> None:
     runs = []
     for k, (seed, variant) in enumerate(jobs, 1):
         bar.set_description_str(f"{variant.label} seed {seed}")
-        runs.append(train(variant, seed, data, args, bar))
+        runs.append((train_fit if args.fit else train)(variant, seed, data, args, bar))
         if hvd.rank() == 0:
             r = runs[-1]
             say(bar, f"run {k}/{len(jobs)}: {r['label']}, seed {seed}: test acc "
                      f"{r['test_acc']:.4f}, test loss {r['test_loss']:.4f} ({r['wall_s']:.1f} s)")
     bar.close()
     if hvd.rank() == 0:
+        mode = "model.fit" if args.fit else "tape loop"
         print(f"\nhvd_gqsgd TF2 example: digits MLP, {hvd.size()} ranks, {args.epochs} epochs, "
-              f"{runs[0]['steps']} steps per run, {keras_name()}")
+              f"{runs[0]['steps']} steps per run, {keras_name()}, {mode}")
         print_table(runs, COLUMNS)
         if len(seeds_of(args.seeds)) > 1:
             print("(mean±std over seeds; test acc/loss on the 360 held-out digits)")
