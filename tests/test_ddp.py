@@ -21,7 +21,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+import launch  # noqa: E402
 from ddp_inputs import (  # noqa: E402
     BLOCK,
     EXACT_CASES,
@@ -30,7 +30,6 @@ from ddp_inputs import (  # noqa: E402
     grid,
     random_inputs,
 )
-from emulated_hosts import EmulatedHosts  # noqa: E402
 
 from hvd_gqsgd import core, kernels  # noqa: E402
 
@@ -61,26 +60,22 @@ def _free_port() -> int:
 def _launch(name: str, out: Path) -> list[dict]:
     controller, n, extra, checks = CONFIGS[name]
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "DDP_CHECKS": ",".join(checks),
-           "MASTER_PORT": str(_free_port()), **extra}
+           "MASTER_PORT": str(_free_port()), "TF_CPP_MIN_LOG_LEVEL": "2",
+           "TF_USE_LEGACY_KERAS": "0", **extra}  # launch.command exports the last two
     command = [sys.executable, str(WORKER), str(out)]
     if controller == "hosts":
-        with EmulatedHosts(n, rate=None) as hosts:
+        with launch.EmulatedHosts(n, rate=None) as hosts:
             # Gloo binds to what the hostname resolves to (127.0.0.1 in every namespace)
             env.update(MASTER_ADDR=hosts.addresses[0], GLOO_SOCKET_IFNAME="eth0")
             proc = hosts.mpirun(command, env=env, timeout=TIMEOUT_S)
-    else:
+    else:  # mpirun's local ranks inherit env
         env["MASTER_ADDR"] = "127.0.0.1"
-        mpi = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np",
-               str(n), *[x for k in ("PATH", *env) for x in ("-x", k)], *command]
-        proc = subprocess.run(mpi, env={**os.environ, **env}, capture_output=True, text=True,
+        proc = subprocess.run(launch.command(WORKER.name, "mpi", n, str(out)),
+                              env={**os.environ, **env}, capture_output=True, text=True,
                               timeout=TIMEOUT_S)
-    if proc.returncode != 0:
-        raise AssertionError(f"{name} failed (exit {proc.returncode}):\n"
-                             f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    results = []
-    for r in range(n):
-        with open(out / f"rank{r}.pkl", "rb") as f:
-            results.append(pickle.load(f))
+    assert proc.returncode == 0, (f"{name} failed (exit {proc.returncode}):\n"
+                                  f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    results = [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(n)]
     assert [r["size"] for r in results] == [n] * n
     return results
 
