@@ -14,7 +14,14 @@ A *compressor spec* is a short string, comma-separated when there are several:
 ``gq4:l2``         ``GlobalQSGD(bits=4, norm="l2")`` (``max`` works the same way)
 ``gq4:key=value``  any other ``GlobalQSGD`` argument, e.g. ``gq8:bucket_bytes=65536``
 ``gq4:flag``       a boolean argument set to True, e.g. a future ``gq4:rotate``
+``qprsgd8:k=4``    local SGD: ``QPRSGD`` (PyTorch only), ring-allreduce syncs of
+                   ``GlobalQSGD(bits=8)`` model differences every 4 steps
+``qprsgd8:k=8:gossip``  the same with gossip syncs between ring neighbours; also
+                   ``:allreduce``, ``:warmup=<steps>`` and any ``GlobalQSGD`` option
 =================  =========================================================
+
+:func:`build_optimizer` turns a variant into the optimizer a PyTorch example steps:
+``hvd.DistributedOptimizer`` with the compressor, or ``QPRSGD`` around the local optimizer.
 """
 
 from __future__ import annotations
@@ -32,12 +39,15 @@ from typing import Any
 
 from hvd_gqsgd import GlobalQSGD
 
-__all__ = ["Variant", "add_common_args", "build_compressor", "group_runs", "make_progress",
+__all__ = ["Variant", "add_common_args", "build_compressor", "build_optimizer", "group_runs",
+           "is_local_sgd", "make_progress",
            "mean_std", "parse_variant", "parse_variants", "plot_curves", "print_table",
            "rank_seed", "say", "seeds_of", "settings_of", "write_outputs"]
 
 # spec prefix -> (class, its name in labels).  Another quantizer is one more line here.
 _QUANTIZERS: dict[str, tuple[type, str]] = {"gq": (GlobalQSGD, "GlobalQSGD")}
+_LOCAL_SGD = "qprsgd"  # spec prefix of local SGD (QPRSGD), GlobalQSGD codes
+_TOPOLOGIES = ("allreduce", "gossip")
 _NORMS = ("max", "l2")
 _SPEC = re.compile(r"^(?P<kind>[a-z]+?)(?P<bits>\d+)$")
 
@@ -50,6 +60,7 @@ class Variant:
     label: str  # what tables and plots show, e.g. "GlobalQSGD(4, l2)"
     kind: str  # "none", "fp16" or a key of _QUANTIZERS
     kwargs: dict[str, Any] = field(default_factory=dict)  # quantizer arguments, bits included
+    local: dict[str, Any] = field(default_factory=dict)  # QPRSGD's period/topology/warmup
 
     @property
     def bits(self) -> int | None:
@@ -75,6 +86,8 @@ def parse_variant(spec: str) -> Variant:
         return Variant(spec, "fp16", "fp16")
     head, *options = spec.split(":")
     match = _SPEC.match(head)
+    if match and match["kind"] == _LOCAL_SGD:
+        return _parse_local(spec, int(match["bits"]), options)
     if not match or match["kind"] not in _QUANTIZERS:
         raise ValueError(f"compressor spec {spec!r}: expected 'none', 'fp16' or "
                          f"{'|'.join(_QUANTIZERS)}<bits>[:option...], e.g. 'gq8' or 'gq4:l2'")
@@ -96,6 +109,33 @@ def parse_variant(spec: str) -> Variant:
     return Variant(spec, f"{name}({label})", match["kind"], kwargs)
 
 
+def _parse_local(spec: str, bits: int, options: list[str]) -> Variant:
+    """``qprsgd8:k=4:gossip`` -> a QPRSGD variant (period 4 if ``k`` is not given)."""
+    local: dict[str, Any] = {"period": 4, "topology": "allreduce", "warmup_steps": 0}
+    rest = []
+    for opt in options:
+        key, _, value = opt.partition("=")
+        if opt in _TOPOLOGIES:
+            local["topology"] = opt
+        elif key in ("k", "warmup") and value.isdigit():
+            local["period" if key == "k" else "warmup_steps"] = int(value)
+        elif key in ("k", "warmup"):
+            raise ValueError(f"compressor spec {spec!r}: {key}= needs a whole number, got "
+                             f"{value!r}, e.g. 'qprsgd8:k=4'")
+        else:
+            rest.append(opt)
+    try:
+        inner = parse_variant(f"gq{bits}" + "".join(f":{o}" for o in rest))
+    except ValueError as exc:
+        raise ValueError(f"compressor spec {spec!r}: {exc}") from exc
+    if local["period"] < 1:
+        raise ValueError(f"compressor spec {spec!r}: k must be >= 1 (local steps per sync)")
+    label = f"QPRSGD({bits}, K={local['period']}, {local['topology']}" + "".join(
+        f", {o}" for o in rest) + (f", warmup {local['warmup_steps']}" if local[
+            "warmup_steps"] else "") + ")"
+    return Variant(spec, label, _LOCAL_SGD, inner.kwargs, local)
+
+
 def parse_variants(text: str | Sequence[str]) -> list[Variant]:
     """Comma-separated specs (or a list of them) -> variants, in order, duplicates refused."""
     specs = [s for s in (text.split(",") if isinstance(text, str) else text) if s.strip()]
@@ -114,8 +154,31 @@ def build_compressor(variant: Variant, hvd: Any, seed: int) -> Any:
         return hvd.Compression.none
     if variant.kind == "fp16":
         return hvd.Compression.fp16
+    if variant.kind == _LOCAL_SGD:
+        raise ValueError(f"compressor spec {variant.spec!r} is local SGD (QPRSGD, PyTorch "
+                         "only): the example must build it with build_optimizer()")
     cls, _ = _QUANTIZERS[variant.kind]
     return cls(**{"seed": seed, **variant.kwargs})
+
+
+def build_optimizer(variant: Variant, hvd: Any, local: Any, named_parameters: Any,
+                    seed: int) -> tuple[Any, Any]:
+    """PyTorch: ``(optimizer, compressor)`` for one run.  ``local`` is the plain torch
+    optimizer; synchronous variants wrap it in ``hvd.DistributedOptimizer``, ``qprsgd``
+    variants in ``hvd_gqsgd.qprsgd.QPRSGD`` (imported here: it imports torch)."""
+    if variant.kind != _LOCAL_SGD:
+        compression = build_compressor(variant, hvd, seed)
+        return hvd.DistributedOptimizer(local, named_parameters=named_parameters,
+                                        compression=compression), compression
+    from hvd_gqsgd.qprsgd import QPRSGD
+
+    compression = GlobalQSGD(**{"seed": seed, **variant.kwargs})
+    params = [p for _, p in named_parameters]
+    return QPRSGD(local, params, compression=compression, **variant.local), compression
+
+
+def is_local_sgd(variant: Variant) -> bool:
+    return variant.kind == _LOCAL_SGD
 
 
 def rank_seed(seed: int, rank: int) -> int:

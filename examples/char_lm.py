@@ -17,6 +17,17 @@ a given seed, with identical hyper-parameters.  More compressors, seeds and the 
 
     horovodrun --gloo -np 2 -H localhost:2 python examples/char_lm.py \\
         --variants none,fp16,gq8,gq4,gq4:l2 --seeds 0,1,2 --csv lm.csv --png lm.png
+
+Local SGD (``QPRSGD``, hvd_gqsgd.qprsgd) runs as a variant too: ``qprsgd8:k=4`` syncs
+GlobalQSGD(8) model differences by ring allreduce every 4 steps, ``qprsgd8:k=8:gossip``
+between ring neighbours every 8 (3 ranks or more)::
+
+    horovodrun --gloo -np 3 -H localhost:3 python examples/char_lm.py \\
+        --variants none,qprsgd8:k=4,qprsgd8:k=8:gossip
+
+Between syncs the ranks' models differ, so a local-SGD run also syncs at each log point that
+is not a sync step (the evaluated model is then the shared one; with gossip, the ranks' models
+after a gossip round).  Its bytes per step are a sync's bytes spread over the steps.
 """
 
 from __future__ import annotations
@@ -30,8 +41,9 @@ import numpy as np
 import torch
 from _common import (
     add_common_args,
-    build_compressor,
+    build_optimizer,
     group_runs,
+    is_local_sgd,
     make_progress,
     parse_variants,
     print_table,
@@ -125,10 +137,9 @@ def make_model(seed: int, vocab: int, args) -> torch.nn.Module:
 def train(variant, seed: int, corpus: Corpus, windows, args, bar) -> dict:
     net = make_model(seed, len(corpus.chars), args)
     hvd.broadcast_parameters(net.state_dict(), root_rank=0)
-    compression = build_compressor(variant, hvd, seed)
-    opt = hvd.DistributedOptimizer(torch.optim.Adam(net.parameters(), lr=args.lr),
-                                   named_parameters=net.named_parameters(),
-                                   compression=compression)
+    opt, compression = build_optimizer(variant, hvd, torch.optim.Adam(net.parameters(), lr=args.lr),
+                                       list(net.named_parameters()), seed)
+    local_sgd = is_local_sgd(variant)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps, eta_min=args.lr / 10)
     rng = np.random.default_rng(rank_seed(seed, hvd.rank()))
     batch = args.global_batch // hvd.size()
@@ -137,20 +148,28 @@ def train(variant, seed: int, corpus: Corpus, windows, args, bar) -> dict:
         opt.zero_grad()
         loss = lm_loss(net, corpus.train_batch(rng, batch, args.seq))
         loss.backward()
-        opt.synchronize()  # the reduced gradient, identical on every rank, is what gets clipped
-        torch.nn.utils.clip_grad_norm_(net.parameters(), args.clip)
-        with opt.skip_synchronize():
+        if local_sgd:  # each rank clips its own gradient; step() syncs every K-th call
+            torch.nn.utils.clip_grad_norm_(net.parameters(), args.clip)
             opt.step()
+        else:
+            opt.synchronize()  # the reduced gradient, identical on every rank, gets clipped
+            torch.nn.utils.clip_grad_norm_(net.parameters(), args.clip)
+            with opt.skip_synchronize():
+                opt.step()
         sched.step()
         losses.append(loss.item())
         bar.update()
         if step % args.eval_every == 0 or step == args.steps:
+            if local_sgd and not opt.is_sync_step(step):
+                opt.synchronize()  # evaluate right after a sync (see module docstring)
             curve.append(log_point(step, losses, net, windows))
             losses = []
             bar.set_postfix_str(f"val loss {curve[-1]['val_loss']:.3f}")
     wall = time.perf_counter() - start
     fp32_bytes = sum(p.numel() * 4 for p in net.parameters())
-    if isinstance(compression, GlobalQSGD):
+    if local_sgd:  # a sync's bytes, spread over the steps between syncs
+        wire = opt.stats.total_bytes / args.steps
+    elif isinstance(compression, GlobalQSGD):
         st = compression.stats
         wire = (st.total_payload + st.total_overhead) / st.rounds
     else:  # plus Horovod's own framing, the same for every compressor

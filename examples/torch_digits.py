@@ -12,6 +12,17 @@ seeds, with the loss curves written out (docs/CONVERGENCE.md is made this way)::
 
 Every compressor trains from the same initial weights and sees the same batches for a given
 seed, with identical hyper-parameters, so differences come from the compression alone.
+
+Local SGD (``QPRSGD``, hvd_gqsgd.qprsgd) runs as a variant too: ``qprsgd8:k=4`` syncs
+GlobalQSGD(8) model differences by ring allreduce every 4 steps, ``qprsgd8:k=8:gossip``
+between ring neighbours every 8 (3 ranks or more)::
+
+    horovodrun --gloo -np 3 -H localhost:3 python examples/torch_digits.py \\
+        --variants none,qprsgd8:k=4,qprsgd8:k=8:gossip
+
+Between syncs the ranks' models differ, so a local-SGD run also syncs at each log point that
+is not a sync step (the evaluated model is then the shared one; with gossip, the ranks' models
+after a gossip round).  Its bytes per step are a sync's bytes spread over the steps.
 """
 
 from __future__ import annotations
@@ -24,8 +35,9 @@ import numpy as np
 import torch
 from _common import (
     add_common_args,
-    build_compressor,
+    build_optimizer,
     group_runs,
+    is_local_sgd,
     make_progress,
     parse_variants,
     print_table,
@@ -82,10 +94,9 @@ def train(variant, seed: int, data, args, bar) -> dict:
     xtr, ytr, xte, yte = data
     net = model(seed)
     hvd.broadcast_parameters(net.state_dict(), root_rank=0)
-    compression = build_compressor(variant, hvd, seed)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9),
-                                   named_parameters=net.named_parameters(),
-                                   compression=compression)
+    opt, compression = build_optimizer(
+        variant, hvd, torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9),
+        list(net.named_parameters()), seed)
     gen = torch.Generator().manual_seed(rank_seed(seed, hvd.rank()))
     curve = [log_point(0, None, net, xte, yte)]
     steps, start = 0, time.perf_counter()
@@ -101,13 +112,17 @@ def train(variant, seed: int, data, args, bar) -> dict:
             total += loss.item()
             steps += 1
             bar.update()
+        if is_local_sgd(variant) and not opt.is_sync_step(steps):
+            opt.synchronize()  # local SGD: evaluate right after a sync (see module docstring)
         epoch_steps = steps - curve[-1]["step"]
         curve.append(log_point(steps, mean_over_ranks(total, epoch_steps), net, xte, yte))
         bar.set_postfix_str(f"test loss {curve[-1]['test_loss']:.3f}")
     wall = time.perf_counter() - start
     fp32_bytes = sum(p.numel() * 4 for p in net.parameters())
     extra = {}
-    if isinstance(compression, GlobalQSGD):
+    if is_local_sgd(variant):  # a sync's bytes, spread over the steps between syncs
+        wire = opt.stats.total_bytes / steps
+    elif isinstance(compression, GlobalQSGD):
         st = compression.stats
         wire = (st.total_payload + st.total_overhead) / st.rounds
         extra = {"quantize_ms": 1e3 * st.total_quantize_s / st.rounds,

@@ -299,3 +299,48 @@ def test_plain_optimizer_checkpoint_restarts_with_a_warning():
     with pytest.warns(UserWarning, match="no 'qprsgd' entry"):
         q.load_state_dict(opt.state_dict())
     assert q.synced_params() is None and q.public_copies() is None
+
+
+# ------------------------------------------------------------------ examples
+
+
+def test_example_specs_parse_local_sgd_variants():
+    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+    from _common import build_compressor, is_local_sgd, parse_variants
+
+    plain, ring_k8, custom = parse_variants("qprsgd8,qprsgd8:k=8:gossip,qprsgd4:l2:k=2:warmup=5")
+    assert plain.local == {"period": 4, "topology": "allreduce", "warmup_steps": 0}
+    assert ring_k8.local["period"] == 8 and ring_k8.local["topology"] == "gossip"
+    assert custom.kwargs == {"bits": 4, "norm": "l2"} and custom.local["warmup_steps"] == 5
+    assert custom.label == "QPRSGD(4, K=2, allreduce, l2, warmup 5)"
+    assert all(is_local_sgd(v) for v in (plain, ring_k8, custom))
+    with pytest.raises(ValueError, match="k= needs a whole number"):
+        parse_variants("qprsgd8:k=x")
+    with pytest.raises(ValueError, match="'qprsgd1'"):
+        parse_variants("qprsgd1")
+    with pytest.raises(ValueError, match="local SGD"):  # a TF script must not get GlobalQSGD
+        build_compressor(plain, None, 0)
+
+
+def test_digits_example_runs_a_qprsgd_variant():
+    import os
+    import re
+    import subprocess
+
+    from launch import BIN, TIMEOUT_S
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    cmd = [str(BIN / "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable,
+           str(Path(__file__).parent.parent / "examples" / "torch_digits.py"), "--epochs", "3",
+           "--variants", "none,qprsgd8:k=4"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {m.group(1): (float(m.group(2)), float(m.group(3).replace(",", "")))
+            for m in re.finditer(r"(fp32 \(none\)|QPRSGD\(8, K=4, allreduce\))\s+([\d.]+)\s+"
+                                 r"[\d.]+\s+([\d,]+)", proc.stdout)}
+    assert set(rows) == {"fp32 (none)", "QPRSGD(8, K=4, allreduce)"}, proc.stdout
+    (acc_none, bytes_none), (acc_q, bytes_q) = rows["fp32 (none)"], rows[
+        "QPRSGD(8, K=4, allreduce)"]
+    assert acc_none > 0.85 and acc_q > 0.85
+    # 4x from 8 bits, 4x from K=4, less the extra sync at each epoch end
+    assert 10 < bytes_none / bytes_q <= 16
