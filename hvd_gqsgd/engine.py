@@ -319,6 +319,7 @@ class Engine:
         :mod:`hvd_gqsgd.hierarchical`), or None for flat Global-QSGD."""
         if not self.settings.hierarchical:
             return None
+        self._round.figures["overhead"] += 8 * 4 * size  # the table, also when it says flat
         with self._round.timing("scale_wait_s"):
             return hierarchical.topology(self.backend, rank, size, pset, f"{name}.topo",
                                          self._round.queued[0].tensor)

@@ -297,7 +297,6 @@ def _exchange_scales(call: _Call, bucket: Any, norm: str, mine: core.Chunk, node
         else:
             vec = b.flat_concat([b.placed(tail[0:0], 0, n_segments), tail])
     call.round.figures["overhead"] += core.scale_exchange_bytes(n_segments)
-    call.round.figures["overhead"] += 8 * 4 * call.size  # the topology table
     with call.round.timing("scale_wait_s"):
         return b.check_layout(b.allreduce_max(vec, f"{call.name}.scale", call.pset))
 
