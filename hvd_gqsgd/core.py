@@ -63,6 +63,7 @@ __all__ = [
     "scale_exchange_bytes",
     "rank_seed",
     "noise_key",
+    "NoiseKeys",
     "probe_values",
     "check_probe",
     "quantize",
@@ -205,6 +206,26 @@ def noise_key(base: int, serial: int) -> int:
     """The 64-bit key of bucket ``serial`` in a rank's counter-based noise stream."""
     digest = hashlib.blake2b(f"{base}:{serial}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
+
+
+class NoiseKeys:
+    """One rank's stream of bucket keys for the kernels' counter-based rounding noise.
+
+    Every call of :meth:`next` returns a fresh 64-bit key (``noise_key(base, 1)``, ``(base,
+    2)``, ...), ``base = rank_seed(seed, rank)`` fixed at the first call.  Thread-safe and
+    order-free: concurrent buckets (TensorFlow runs per-tensor chains in parallel) each get
+    their own key, and which one gets which does not matter since all are independent.
+    """
+
+    def __init__(self, seed: int | None) -> None:
+        self._seed = seed
+        self._base: int | None = None  # rank_seed(seed, rank), set on first use
+        self._serial = itertools.count(1)  # next() of a count is atomic under the GIL
+
+    def next(self, rank: int) -> int:
+        if self._base is None:
+            self._base = rank_seed(self._seed, rank)
+        return noise_key(self._base, next(self._serial))
 
 
 # --------------------------------------------------------------------------- settings

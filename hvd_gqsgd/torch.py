@@ -36,11 +36,14 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 class TorchBackend:
     """:class:`hvd_gqsgd.engine.Backend` for PyTorch tensors (CPU or CUDA)."""
 
+    # Each tensor is rescaled with its own probe: a torch bucket may hold tensors that
+    # separate allreduce_async calls reduce with different ops.
+    rescales_buckets = False
+
     def __init__(self, seed: int | None) -> None:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}  # generic path, per device
-        self._key_base: int | None = None  # fused path: counter-based noise, keyed per bucket
-        self._key_serial = 0
+        self._keys = core.NoiseKeys(seed)  # fused path: counter-based noise, keyed per bucket
         self._probes: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
 
     # --- core.TensorOps
@@ -140,7 +143,7 @@ class TorchBackend:
         if self._fused(flat):
             words = _host_empty(core.packed_words(flat.numel(), bits), np.int64)
             kernels.quantize_pack(flat.numpy(), np.asarray(counts), mult.numpy(), n_levels, bits,
-                                  self._noise_key(rank), words.numpy())
+                                  self._keys.next(rank), words.numpy())
             return words
         counts_t = torch.tensor(list(counts), device=flat.device)
         per_element = torch.repeat_interleave(mult.to(flat.dtype), counts_t,
@@ -182,13 +185,6 @@ class TorchBackend:
             gen.manual_seed(core.rank_seed(self._seed, rank))
             self._generators[like.device] = gen
         return torch.rand(like.shape, dtype=like.dtype, device=like.device, generator=gen)
-
-    def _noise_key(self, rank: int) -> int:
-        """A fresh 64-bit key per bucket for the kernels' counter-based noise."""
-        if self._key_base is None:
-            self._key_base = core.rank_seed(self._seed, rank)
-        self._key_serial += 1
-        return core.noise_key(self._key_base, self._key_serial)
 
     def stable_names(self) -> bool:
         return True
