@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import sys
 import threading
 from typing import Any
 
@@ -117,6 +118,8 @@ class GlobalQSGD:
         self._uid = next(GlobalQSGD._instances)
         self._engines: dict[str, Engine] = {}  # framework name -> its engine
         self._lock = threading.Lock()
+        if "horovod.tensorflow" in sys.modules:  # TF is loaded already: importing is free
+            importlib.import_module("hvd_gqsgd.tensorflow").group_gradients()
 
     def __repr__(self) -> str:
         s = self.settings

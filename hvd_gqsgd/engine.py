@@ -72,6 +72,13 @@ class Backend(core.TensorOps, Protocol):
     # one tensor: lane sums at [offset, offset + numel) times scale, in like's dtype and shape;
     # block > 0: scale is a vector, element i of the tensor takes scale[i // block]
     def decode(self, state: Any, offset: int, like: Any, scale: Any, block: int) -> Any: ...
+    # True: instead of probe_factor + decode per tensor, the engine calls rescale_bucket once
+    # per bucket (first probe; layout: (numel, first segment) per tensor) and take per tensor
+    rescales_buckets: bool
+    def rescale_bucket(self, state: Any, steps: Any, layout: Sequence[tuple[int, int]],
+                       block: int, likes: Sequence[Any], reduced_probe: Any,
+                       world_size: int) -> Any: ...
+    def take(self, rescaled: Any, offset: int, like: Any) -> Any: ...
     def stable_names(self) -> bool: ...  # True when names may repeat every round (eager)
 
 
@@ -152,6 +159,7 @@ class Bucket:
     steps: Any = None  # value of one summed code per segment (s / L), float64 on the device
     handles: list[Any] = field(default_factory=list)  # pending Sum allreduces, one per chunk
     decoded: Any = None  # Backend.decoder() state, once the Sum allreduce is waited for
+    rescaled: Any = None  # Backend.rescale_bucket() output (backends with rescales_buckets)
     remaining: int = 0
     total: int = 0
 
@@ -239,11 +247,8 @@ class Engine:
                         words = chunks[0] if len(chunks) == 1 else b.concat_words(chunks)
                         bucket.decoded = b.decoder(words, self.settings.bits, bucket.total)
                     bucket.handles = []
-                factor = b.probe_factor(reduced_probe, bucket.world_size)
-                block = self.settings.scale_block
                 with r.timing("quantize_s"):
-                    steps = bucket.steps[ctx.index:ctx.stop] if block else bucket.steps[ctx.index]
-                    out = b.decode(bucket.decoded, ctx.offset, ctx.tensor, steps * factor, block)
+                    out = self._rescale(bucket, ctx, reduced_probe)
             except BaseException:
                 # Every rank fails at the same point (same sizes, same probe), so start the
                 # next round clean on all of them rather than carry a broken queue.
@@ -253,6 +258,21 @@ class Engine:
         return out
 
     # ----------------------------------------------------------------- internals
+
+    def _rescale(self, bucket: Bucket, ctx: Entry, reduced_probe: Any) -> Any:
+        """``ctx``'s lane sums times its segments' steps times the op's factor (the probe)."""
+        b, block = self.backend, self.settings.scale_block
+        if b.rescales_buckets:
+            # One host call per bucket (TensorFlow): every tensor takes the factor of the
+            # bucket's first probe, which one (grouped) allreduce call gives all its tensors.
+            if bucket.rescaled is None:
+                bucket.rescaled = b.rescale_bucket(
+                    bucket.decoded, bucket.steps, [(e.numel, e.index) for e in bucket.entries],
+                    block, [e.tensor for e in bucket.entries], reduced_probe, bucket.world_size)
+            return b.take(bucket.rescaled, ctx.offset, ctx.tensor)
+        factor = b.probe_factor(reduced_probe, bucket.world_size)
+        steps = bucket.steps[ctx.index:ctx.stop] if block else bucket.steps[ctx.index]
+        return b.decode(bucket.decoded, ctx.offset, ctx.tensor, steps * factor, block)
 
     def _flush(self) -> None:
         """COLLECTIVE: scale exchange and launch of the Sum allreduce for all queued tensors."""
@@ -337,7 +357,7 @@ class Engine:
         entry.tensor = None
         bucket.remaining -= 1
         if bucket.remaining == 0:
-            bucket.decoded = None
+            bucket.decoded = bucket.rescaled = None
         r = self._round
         r.outstanding -= 1
         if r.outstanding == 0 and not r.queued:

@@ -68,7 +68,7 @@ class QSGDAllgather(GlobalQSGD):
         level = (1 << (bits - 1)) - 1
         words, scales = b.wait(ctx.words), b.wait(ctx.scales)
         steps = core.step_sizes(b, scales, level)
-        per_rank = words.shape[0] // size
+        per_rank = core.packed_words(b.numel(ctx.tensor), bits)  # static, also in a graph
         total = None
         for r in range(size):  # decode each rank's codes with its own scale: O(n) work
             state = b.decoder(words[r * per_rank:(r + 1) * per_rank], bits, b.numel(ctx.tensor))

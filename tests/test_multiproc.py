@@ -261,6 +261,13 @@ def test_distributed_optimizer_reduces_like_uncompressed(ranks):
     assert set(ranks[0]["optimizer_grads"]) == expected_configs
     for config in sorted(expected_configs):
         _check_reduced_grads(ranks, config)
+    if ranks[0]["framework"] == "tensorflow":
+        # Horovod's default tape reduces each gradient in its own tf.cond; hvd_gqsgd groups
+        # them (hvd_gqsgd.tensorflow.group_gradients), so every config traces one round
+        grads = ranks[0]["optimizer_grads"]
+        for config in expected_configs:
+            assert grads[config]["rounds"] == 1, config
+            assert grads[config]["tensors"] == len(grads[config]["local"]), config
     if "bucketed" in expected_configs:  # 4 tensors of 1+16+16+128 floats, 60-byte buckets
         grads = ranks[0]["optimizer_grads"]
         one_bucket = core.scale_exchange_bytes(4) + 4 * core.PROBE_BYTES

@@ -211,7 +211,8 @@ def optimizer_grads(rank: int, n: int) -> dict:
 
             local, reduced = grads() if mode == "eager" else tf.function(grads)()
             out[f"{name}-{mode}"] = {"local": [_np(g) for g in local],
-                                     "reduced": [_np(g) for g in reduced]}
+                                     "reduced": [_np(g) for g in reduced],
+                                     "rounds": comp.stats.rounds, "tensors": comp.stats.tensors}
     return out
 
 

@@ -1,0 +1,167 @@
+"""Single-process: the TensorFlow adapter's fused CPU path (numba kernels behind
+``tf.numpy_function``) gives bit for bit what the NumPy oracle gives, eagerly and inside
+``tf.function``, for every float dtype; and it adds no stateful op to a graph (a stateful op
+inside Horovod's per-gradient ``tf.cond`` serialises all gradients, see tensorflow.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from numpy_ops import NumpyOps
+
+from hvd_gqsgd import core, kernels
+
+NP = NumpyOps()
+DTYPES = ["float16", "bfloat16", "float32", "float64"]
+SEED, RANK = 11, 1
+
+
+def _backend():
+    from hvd_gqsgd.tensorflow import TensorFlowBackend
+
+    return TensorFlowBackend(seed=SEED)
+
+
+AVERAGE = [1.0, 1.5]  # the probe an Average over 2 ranks returns: factor 1/2
+
+
+def _round_trip(ops, x, other_words, bits, block, level):
+    """The adapter's side of one bucket: norms, codes, then (after adding another rank's
+    words, as the Sum allreduce would) the decoded sum times each block's step, averaged."""
+    numel = x.shape.num_elements()
+    counts, _ = core.segments([numel], block)
+    flat = ops.flat_concat([x])
+    norms = ops.local_norms([x], flat, counts, "max", [5.0, -5.0])
+    scales = ops.check_layout(norms)
+    words = ops.encode(flat, core.multipliers(ops, scales, level), counts, level, bits, RANK)
+    steps = core.step_sizes(ops, scales, level)
+    state = ops.decoder(words + other_words, bits, numel)
+    probe = tf.constant(AVERAGE, tf.float64)
+    rescaled = ops.rescale_bucket(state, steps, [(numel, 0)], block, [x], probe, 2)
+    return norms, words, ops.take(rescaled, 0, x)
+
+
+def _oracle(x64, keys, other_words, bits, block, level, flat_dtype, graph):
+    """The same bucket in NumPy: core's formulas, the kernels' noise stream.  In a graph,
+    TF's optimizer rewrites core.step_sizes' ``s / L`` (a division by a constant) into
+    ``s * (1 / L)`` (grappler's ReduceDivToReciprocalMul), one float64 ulp away at most and
+    the same on every rank; the oracle does what the graph does."""
+    flat = x64.reshape(-1).astype(flat_dtype)
+    counts, _ = core.segments([flat.size], block)
+    bounds = np.cumsum([0, *counts])
+    scales = np.array([np.abs(flat[a:b]).max() for a, b in zip(bounds[:-1], bounds[1:])],
+                      np.float64)
+    mult = np.repeat(core.multipliers(NP, scales, level).astype(flat_dtype), counts)
+    words = core.encode(NP, flat, mult, kernels.noise(keys.next(RANK), 0, flat.size), level,
+                        bits)
+    sums = core.unpack(NP, words + other_words, bits, flat.size)
+    steps = scales * (1.0 / level) if graph else core.step_sizes(NP, scales, level)
+    steps = np.repeat(steps * 0.5, counts)  # times the Average's factor
+    return scales, words, sums * steps.astype(flat_dtype)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits,block", [(8, 0), (8, 100), (4, 7), (16, 1024)])
+def test_fused_round_trip_matches_numpy(mode, dtype, bits, block):
+    ops, keys = _backend(), core.NoiseKeys(SEED)
+    level = core.levels(bits, 2)
+    rng = np.random.default_rng([bits, block])
+    x = tf.cast(tf.constant(rng.normal(size=(37, 29))), dtype)
+    x64 = tf.cast(x, tf.float64).numpy()  # the values the adapter really sees
+    flat_dtype = np.float64 if dtype == "float64" else np.float32
+    other = core.pack(NP, np.full(x64.size, -(level // 2)), bits)  # another rank's codes
+    other[::3] = 0
+    fn = _round_trip if mode == "eager" else tf.function(_round_trip, autograph=False)
+    for _ in range(2):  # a graph draws a fresh noise key every time it runs
+        norms, words, out = fn(ops, x, tf.constant(other), bits, block, level)
+        scales, want_words, want = _oracle(x64, keys, other, bits, block, level, flat_dtype,
+                                         graph=mode == "function")
+        np.testing.assert_array_equal(norms.numpy(), [*scales, 5.0, -5.0])
+        np.testing.assert_array_equal(words.numpy(), want_words)
+        assert out.dtype == x.dtype and out.shape == x.shape
+        np.testing.assert_array_equal(tf.cast(out, tf.float64).numpy(),
+                                      want.astype(dtype_np(dtype)).astype(np.float64)
+                                      .reshape(x.shape))
+
+
+def dtype_np(name: str):
+    return tf.as_dtype(name).as_numpy_dtype
+
+
+@pytest.mark.parametrize("path", ["fused", "generic"])
+@pytest.mark.parametrize("block", [0, 25])
+def test_rescale_a_bucket_of_several_tensors(path, block, monkeypatch):
+    """One bucket of three tensors (float32, float64, bfloat16; the second starts mid-word):
+    each is taken in its dtype and shape, with its own segments' steps times the factor."""
+    if path == "generic":
+        monkeypatch.setenv("HVD_GQSGD_KERNELS", "0")
+    ops, bits = _backend(), 8
+    likes = [tf.zeros([3, 5]), tf.zeros([10, 9], tf.float64), tf.zeros([7], tf.bfloat16)]
+    numels = [15, 90, 7]
+    counts, first = core.segments(numels, block)
+    codes = np.random.default_rng(block).integers(-63, 64, sum(numels))
+    steps = np.linspace(0.5, 2.0, len(counts))
+    probe = [0.25, 0.375]  # Sum with a predivide of 4, over 2 ranks: factor 1/8
+
+    @tf.function(autograph=False)
+    def rescale():
+        state = ops.decoder(tf.constant(core.pack(NP, codes, bits)), bits, sum(numels))
+        out = ops.rescale_bucket(state, tf.constant(steps), list(zip(numels, first)), block,
+                                 likes, tf.constant(probe, tf.float64), 2)
+        return [ops.take(out, int(np.sum(numels[:i])), like) for i, like in enumerate(likes)]
+
+    got = rescale()
+    per_element = np.repeat(steps * 0.125, counts)  # float64, a bucket with float64 in it
+    want = codes * per_element
+    for i, (g, like) in enumerate(zip(got, likes)):
+        lo = int(np.sum(numels[:i]))
+        assert g.dtype == like.dtype and g.shape == like.shape
+        expected = want[lo:lo + numels[i]].astype(like.dtype.as_numpy_dtype)
+        np.testing.assert_array_equal(g.numpy().reshape(-1), expected)
+
+
+@pytest.mark.parametrize("path", ["fused", "generic"])
+def test_graph_holds_no_stateful_op(path, monkeypatch):
+    if path == "generic":  # the TF-ops path GPU tensors take
+        monkeypatch.setenv("HVD_GQSGD_KERNELS", "0")
+    assert kernels.available() == (path == "fused")
+    ops, level, bits = _backend(), 63, 8
+    x = tf.random.normal([3000])
+
+    @tf.function(autograph=False)
+    def chain(probe):
+        _, _, out = _round_trip(ops, x, tf.zeros([375], tf.int64), bits, 1024, level)
+        return out * tf.cast(ops.probe_factor(probe, 2), out.dtype)
+
+    graph = chain.get_concrete_function(tf.constant([1.0, 1.5], tf.float64)).graph
+    stateful = [op.type for op in graph.get_operations() if op._is_stateful]
+    assert not stateful, stateful
+    types = {op.type for op in graph.get_operations()}
+    assert "PyFuncStateless" in types  # the fused kernels, or the generic path's noise key
+    assert ("StatelessRandomUniformV2" in types) == (path == "generic")
+
+
+def test_layout_mismatch_and_bad_probe_raise_in_a_graph():
+    ops = _backend()
+
+    @tf.function(autograph=False)
+    def check(vec, probe):
+        return ops.check_layout(vec), ops.probe_factor(probe, 2)
+
+    check(tf.constant([1.0, 3.0, -3.0], tf.float64), tf.constant([1.0, 1.5], tf.float64))
+    with pytest.raises(tf.errors.OpError, match="different tensors"):
+        check(tf.constant([1.0, 3.0, -2.0], tf.float64), tf.constant([1.0, 1.5], tf.float64))
+    with pytest.raises(tf.errors.OpError, match="op=Sum or op=Average"):
+        check(tf.constant([1.0, 3.0, -3.0], tf.float64), tf.constant([1.0, 1.0], tf.float64))
+
+
+def test_nan_poisons_only_its_block_in_a_graph():
+    ops, level, bits = _backend(), 63, 8
+    x = np.random.default_rng(0).normal(size=300).astype(np.float32)
+    x[150] = np.nan
+    _, _, out = tf.function(_round_trip, autograph=False)(
+        ops, tf.constant(x), tf.zeros([38], tf.int64), bits, 100, level)
+    out = out.numpy()
+    assert np.isnan(out[100:200]).all() and np.isfinite(np.delete(out, range(100, 200))).all()
