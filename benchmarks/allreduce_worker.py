@@ -11,26 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import statistics
 import time
 
 import horovod.torch as hvd
 import torch
-
-from hvd_gqsgd import GlobalQSGD, QSGDAllgather
-
-
-def compressor(name: str, process_set=None):
-    """``none``, ``fp16``, ``qsgd<bits>`` or ``gqsgd<bits>[@<chunk KiB>k]``."""
-    m = re.fullmatch(r"gqsgd(\d+)(?:@(\d+)k)?", name)
-    if m:
-        chunk = {} if m.group(2) is None else {"chunk_bytes": int(m.group(2)) * 1024}
-        return GlobalQSGD(bits=int(m.group(1)), process_set=process_set, **chunk)
-    if name.startswith("qsgd"):  # the per-rank-scale baseline over an allgather
-        return QSGDAllgather(bits=int(name[4:]))
-    return {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[name]
+from bench_common import compressor, hvd_size_from_env
 
 
 def timed(fn, repeats: int, name: str) -> float:
@@ -59,12 +45,12 @@ def main() -> None:
     rows = {"latency": timed(lambda: hvd.allreduce(torch.zeros(1), name="lat"),
                              args.repeats, "latency")}
     for name in args.compressors.split(","):
-        comp = compressor(name)
+        comp = compressor(name, hvd)
         rows[name] = timed(lambda c=comp, n=name: hvd.allreduce(x, compression=c, name=f"b.{n}"),
                            args.repeats, name)
         if name.startswith("gqsgd"):
             mine = alone[hvd.rank()]
-            local = compressor(name, process_set=mine)
+            local = compressor(name, hvd, process_set=mine)
             rows[f"local_{name}"] = timed(
                 lambda c=local, ps=mine: hvd.allreduce(x, compression=c, process_set=ps),
                 args.repeats, f"local_{name}")
@@ -72,15 +58,6 @@ def main() -> None:
         for name, seconds in rows.items():
             print(json.dumps({"what": name, "mb": args.mb, "ranks": hvd.size(),
                               "median_s": seconds}), flush=True)
-
-
-def hvd_size_from_env() -> int:
-    """World size before hvd.init (process sets must be declared at init): mpirun's or
-    horovodrun's variable."""
-    for var in ("OMPI_COMM_WORLD_SIZE", "HOROVOD_SIZE", "PMI_SIZE"):
-        if var in os.environ:
-            return int(os.environ[var])
-    raise RuntimeError("run under mpirun or horovodrun: no world size in the environment")
 
 
 if __name__ == "__main__":

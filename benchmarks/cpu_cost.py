@@ -1,33 +1,41 @@
-"""Goal 3 of the performance issue: single-rank, single-thread CPU cost of
-compress + allreduce + decompress of a 64 MB fp32 gradient, in units of one torch.add pass
-over the same tensor, measured in the same process.
+"""Local cost of GlobalQSGD: single-rank, single-thread CPU time of compress + allreduce +
+decompress of a 64 MB fp32 gradient, in units of one add pass over the same tensor, measured
+in the same process.
 
-    python benchmarks/cpu_cost.py                        # fused numba kernels
+    python benchmarks/cpu_cost.py                        # PyTorch, fused numba kernels
     HVD_GQSGD_KERNELS=0 python benchmarks/cpu_cost.py    # generic torch-op path
+    python benchmarks/cpu_cost.py --framework tf         # TensorFlow, hvd.allreduce in tf.function
+    python benchmarks/cpu_cost.py --framework both       # both (one process each), and TF / torch
 
-Goal: <= 4 passes (the naive fp32 torch version costs about 14).
+Goals: <= 4 passes in PyTorch (the naive fp32 torch version costs about 14); TensorFlow
+within 1.3x of PyTorch.  ``both`` compares the two in milliseconds and in NumPy add passes
+(each process times ``np.add`` too, so drift between the two processes cancels).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
-import horovod.torch as hvd
-import torch
+import numpy as np
 
 from hvd_gqsgd import GlobalQSGD, kernels
 
+Fns = dict[str, Callable[[], object]]
 
-def median_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+
+def median_times(fns: Fns, repeats: int) -> dict[str, float]:
     """Median seconds of each function.  The functions take turns within every repeat, so
     a slow spell of this shared machine hits the baseline and the candidates alike instead
     of skewing their ratio."""
     for fn in fns.values():
-        fn()  # warm-up (and numba compilation)
+        fn()  # warm-up (numba compilation, tracing)
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
@@ -37,35 +45,101 @@ def median_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def variants(bits: int) -> dict[str, GlobalQSGD]:
+    """label -> compressor; the first is the default configuration."""
+    return {f"GlobalQSGD({bits})": GlobalQSGD(bits=bits),
+            "with scale_block=0": GlobalQSGD(bits=bits, scale_block=0),
+            "with chunk_bytes=1 MiB": GlobalQSGD(bits=bits, chunk_bytes=1 << 20)}
+
+
+def torch_fns(n: int, bits: int) -> Fns:
+    import horovod.torch as hvd
+    import torch
+
+    hvd.init()
+    torch.set_num_threads(1)
+    x, y, out = torch.randn(n), torch.randn(n), torch.empty(n)
+    fns: Fns = {"add": lambda: torch.add(x, y, out=out),
+                "allreduce(none)": lambda: hvd.allreduce(x, name="none")}
+    for i, (label, comp) in enumerate(variants(bits).items()):
+        fns[label] = functools.partial(hvd.allreduce, x, compression=comp, name=f"gq{i}")
+    return fns
+
+
+def tf_fns(n: int, bits: int) -> Fns:
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    hvd.init()
+    x, y = tf.random.normal([n]), tf.random.normal([n])
+
+    def reducer(comp, name: str) -> Callable[[], object]:
+        return tf.function(lambda: hvd.allreduce(x, compression=comp, name=name))
+
+    fns: Fns = {"add": tf.function(lambda: tf.add(x, y)),
+                "allreduce(none)": reducer(hvd.Compression.none, "none")}
+    for i, (label, comp) in enumerate(variants(bits).items()):
+        fns[label] = reducer(comp, f"gq{i}")
+    return fns
+
+
+def measure(framework: str, mb: int, bits: int, repeats: int) -> dict[str, float]:
+    if kernels.available():
+        kernels.numba.set_num_threads(1)
+    n = mb * 2**20 // 4
+    fns = (torch_fns if framework == "torch" else tf_fns)(n, bits)
+    a, b, c = np.random.rand(n).astype(np.float32), np.random.rand(n).astype(np.float32), \
+        np.empty(n, np.float32)
+    fns["np.add"] = lambda: np.add(a, b, out=c)
+    return median_times(fns, repeats)
+
+
+def report(framework: str, t: dict[str, float], mb: int, bits: int) -> str:
+    t_add = t["add"]
+    path = "fused numba kernels" if kernels.available() else "generic framework ops"
+    default = next(iter(variants(bits)))
+    figures = [f"{label} {1e3 * s:.1f} ms ({s / t_add:.2f} passes"
+               f"{'; goal <= 4' if label == default and framework == 'torch' else ''})"
+               for label, s in t.items() if label not in ("add", "np.add")]
+    return (f"{framework}: {mb} MB fp32, 1 rank, 1 thread, {path}: add {1e3 * t_add:.1f} ms, "
+            + ", ".join(figures))
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Each framework in its own process (never import horovod.torch next to horovod.tensorflow),
+    then TF's default GlobalQSGD against torch's."""
+    got = {}
+    for framework in ("torch", "tf"):
+        proc = subprocess.run([sys.executable, __file__, "--framework", framework, "--json",
+                               "--mb", str(args.mb), "--bits", str(args.bits),
+                               "--repeats", str(args.repeats)],
+                              capture_output=True, text=True, check=True)
+        got[framework] = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(report(framework, got[framework], args.mb, args.bits))
+    label = next(iter(variants(args.bits)))
+    ms = got["tf"][label] / got["torch"][label]
+    passes = (got["tf"][label] / got["tf"]["np.add"]) / (got["torch"][label]
+                                                         / got["torch"]["np.add"])
+    print(f"{label} round trip, TF / torch: {ms:.2f}x in ms, {passes:.2f}x in np.add passes "
+          "(goal: within 1.3x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mb", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--bits", type=int, default=8)
+    parser.add_argument("--framework", choices=("torch", "tf", "both"), default="torch")
+    parser.add_argument("--json", action="store_true", help="print the raw medians as JSON")
     args = parser.parse_args()
-    hvd.init()
-    torch.set_num_threads(1)
-    if kernels.available():
-        kernels.numba.set_num_threads(1)
-    n = args.mb * 2**20 // 4
-    x, y, out = torch.randn(n), torch.randn(n), torch.empty(n)
-    variants = {  # label -> compressor; the first is the default configuration
-        f"GlobalQSGD({args.bits})": GlobalQSGD(bits=args.bits),
-        "with scale_block=0": GlobalQSGD(bits=args.bits, scale_block=0),
-        "with chunk_bytes=1 MiB": GlobalQSGD(bits=args.bits, chunk_bytes=1 << 20),
-    }
-    fns = {"torch.add": lambda: torch.add(x, y, out=out),
-           "allreduce(none)": lambda: hvd.allreduce(x, name="none")}
-    for i, (label, comp) in enumerate(variants.items()):
-        fns[label] = functools.partial(hvd.allreduce, x, compression=comp, name=f"gq{i}")
-    t = median_times(fns, args.repeats)
-    t_add = t.pop("torch.add")
-    path = "fused numba kernels" if kernels.available() else "generic torch ops"
-    default = next(iter(variants))
-    figures = [f"{label} {1e3 * s:.1f} ms ({s / t_add:.2f} passes"
-               f"{'; goal <= 4' if label == default else ''})" for label, s in t.items()]
-    print(f"{args.mb} MB fp32, 1 rank, 1 thread, {path}: torch.add {1e3 * t_add:.1f} ms, "
-          + ", ".join(figures))
+    if args.framework == "both":
+        compare(args)
+        return
+    t = measure(args.framework, args.mb, args.bits, args.repeats)
+    print(json.dumps(t) if args.json else report(args.framework, t, args.mb, args.bits))
+
 
 if __name__ == "__main__":
     main()

@@ -38,6 +38,8 @@ from hvd_gqsgd import core  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RATES = {"1gbit": 1e9, "10gbit": 1e10}
+WORKERS = {"torch": ("allreduce_worker.py", "train_worker.py"),
+           "tf": ("allreduce_worker_tf.py", "train_worker_tf.py")}
 
 
 def run_job(hosts: int, rate: str, worker: str, *args: str) -> list[dict]:
@@ -74,35 +76,49 @@ def predict(times: dict, hosts: int, rate: float, mb: float, name: str) -> float
     return 3 * times["latency"] + max(wire, local)  # chunked: full overlap (a lower bound)
 
 
+def framework_times(times: dict, framework: str) -> dict:
+    """One framework's rows of a job (the TF worker prefixes its names with ``tf_``)."""
+    if framework == "torch":
+        return {k: v for k, v in times.items() if not k.startswith("tf_")}
+    return {k[3:]: v for k, v in times.items() if k.startswith("tf_")}
+
+
 def table(results: list[dict], mb: float) -> list[str]:
-    lines = ["| hosts | link | compressor | time (s) | vs none | vs fp16 | vs qsgd8 | model (s) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| hosts | link | framework | compressor | time (s) | vs none | vs fp16 | vs qsgd8 "
+             "| model (s) |", "|---|---|---|---|---|---|---|---|---|"]
     for res in results:
-        t = res["times"]
-        for name in res["compressors"]:
-            model = predict(t, res["hosts"], RATES[res["rate"]], mb, name)
-            vs_qsgd = f"{t['qsgd8'] / t[name]:.2f}x" if "qsgd8" in t else "-"
-            lines.append(f"| {res['hosts']} | {res['rate']} | {name} | {t[name]:.3f} | "
-                         f"{t['none'] / t[name]:.2f}x | {t['fp16'] / t[name]:.2f}x | "
-                         f"{vs_qsgd} | {model:.3f} |")
+        for framework in res["frameworks"]:
+            t = framework_times(res["times"], framework)
+            for name in [n for n in res["compressors"] if n in t]:
+                model = predict(t, res["hosts"], RATES[res["rate"]], mb, name)
+                vs_qsgd = f"{t['qsgd8'] / t[name]:.2f}x" if "qsgd8" in t else "-"
+                lines.append(f"| {res['hosts']} | {res['rate']} | {framework} | {name} | "
+                             f"{t[name]:.3f} | {t['none'] / t[name]:.2f}x | "
+                             f"{t['fp16'] / t[name]:.2f}x | {vs_qsgd} | {model:.3f} |")
     return lines
 
 
 def train_table(rows: list[dict]) -> list[str]:
     if not rows:
         return []
-    base = {r["what"]: r["median_s"] for r in rows}["train_none"]
+    medians = {r["what"]: r["median_s"] for r in rows}
     lines = ["## End to end: a communication-bound training step", "",
              f"2 hosts at 1 Gbit/s, `benchmarks/train_worker.py`: an MLP with a "
              f"{rows[0]['grad_mb']:.0f} MB fp32 gradient, batch 32 per rank, "
-             "`hvd.DistributedOptimizer` (default op), median step time of the slowest rank "
-             "(forward, backward, allreduce, update).  The loss on a fixed held-out batch, before "
-             "and after the steps (same start and data for every compressor, SGD with lr 0.5), "
-             "shows whether each run trains like fp32.", "",
-             "| compressor | step (s) | vs none | held-out loss: start → end |",
-             "|---|---|---|---|"]
+             "`hvd.DistributedOptimizer` (torch) or `hvd.DistributedGradientTape` in "
+             "`tf.function` (TF, `benchmarks/train_worker_tf.py`), default arguments, median step "
+             "time of the slowest rank (forward, backward, allreduce, update).  The loss on a "
+             "fixed held-out batch, before and after the steps (same start and data for every "
+             "compressor of a framework, SGD with lr 0.5), shows whether each run trains like "
+             "fp32.", "",
+             "| framework | compressor | step (s) | vs none | held-out loss: start → end |",
+             "|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['what'][6:]} | {r['median_s']:.3f} | {base / r['median_s']:.2f}x | "
+        framework, name = r["what"].split("train_")
+        framework = framework.rstrip("_") or "torch"
+        base = medians[f"{'tf_' if framework == 'tf' else ''}train_none"]
+        lines.append(f"| {framework} | {name} | {r['median_s']:.3f} | "
+                     f"{base / r['median_s']:.2f}x | "
                      f"{r['loss_start']:.7f} → {r['loss_end']:.7f} |")
     return [*lines, ""]
 
@@ -114,13 +130,18 @@ def plot(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    lines = [(f, name) for f in ("torch", "tf") for name in ("fp16", "qsgd8", "gqsgd4", "gqsgd8",
+                                                            "gqsgd16")
+             if f == "torch" or name == "gqsgd8"]
     for hosts in sorted({r["hosts"] for r in results}):
-        for name in ("fp16", "qsgd8", "gqsgd4", "gqsgd8", "gqsgd16"):
-            pts = [(RATES[r["rate"]] / 1e9, r["times"]["none"] / r["times"][name])
-                   for r in results if r["hosts"] == hosts and name in r["times"]]
+        for framework, name in lines:
+            pts = [(RATES[r["rate"]] / 1e9, t["none"] / t[name]) for r in results
+                   if r["hosts"] == hosts
+                   for t in [framework_times(r["times"], framework)] if name in t]
             if pts:
                 xs, ys = zip(*sorted(pts))
-                ax.plot(xs, ys, marker="o", label=f"{name}, {hosts} hosts")
+                ax.plot(xs, ys, marker="o", ls="--" if framework == "tf" else "-",
+                        label=f"{framework} {name}, {hosts} hosts")
     ax.set_xscale("log")
     ax.set_xlabel("link rate (Gbit/s)")
     ax.set_ylabel("speed-up over Compression.none")
@@ -142,6 +163,10 @@ def main() -> None:
     parser.add_argument("--train", default="none,fp16,gqsgd8,gqsgd8@1024k",
                         help="compressors of the end-to-end training job (2 hosts, 1 Gbit/s); "
                         "empty to skip it")
+    parser.add_argument("--frameworks", default="torch,tf",
+                        help="torch (allreduce_worker.py), tf (allreduce_worker_tf.py) or both")
+    parser.add_argument("--tf-compressors", default="none,fp16,qsgd8,gqsgd8",
+                        help="compressors of the TF job")
     parser.add_argument("--out", default=str(ROOT / "docs"))
     args = parser.parse_args()
     require_root()
@@ -149,17 +174,23 @@ def main() -> None:
     started = time.time()
     for hosts in (int(h) for h in args.hosts.split(",")):
         for rate in args.rates.split(","):
-            names = args.compressors.split(",")
-            rows = run_job(hosts, rate, "allreduce_worker.py", "--mb", str(args.mb),
-                           "--repeats", str(args.repeats), "--compressors", ",".join(names))
+            names, frameworks = args.compressors.split(","), args.frameworks.split(",")
+            rows = []
+            for framework in frameworks:
+                worker = WORKERS[framework]
+                wanted = names if framework == "torch" else args.tf_compressors.split(",")
+                rows += run_job(hosts, rate, worker[0], "--mb", str(args.mb),
+                                "--repeats", str(args.repeats), "--compressors", ",".join(wanted))
             times = {r["what"]: r["median_s"] for r in rows}
-            results.append({"hosts": hosts, "rate": rate, "compressors": names,
-                            "times": times})
+            results.append({"hosts": hosts, "rate": rate, "frameworks": frameworks,
+                            "compressors": list(dict.fromkeys(
+                                names + args.tf_compressors.split(","))), "times": times})
             print(f"{hosts} hosts, {rate}: " + ", ".join(
                 f"{k}={v:.3f}s" for k, v in times.items()), flush=True)
     train = []
     if args.train:
-        train = run_job(2, "1gbit", "train_worker.py", "--compressors", args.train)
+        for framework in args.frameworks.split(","):
+            train += run_job(2, "1gbit", WORKERS[framework][1], "--compressors", args.train)
         print("training, 2 hosts, 1gbit: " + ", ".join(
             f"{r['what']}={r['median_s']:.3f}s" for r in train), flush=True)
     out = Path(args.out)
@@ -169,7 +200,8 @@ def main() -> None:
         "# Bandwidth benchmark",
         "",
         "Regenerate with `make bench` (root: network namespaces and tc). "
-        f"{args.mb:g} MB fp32 gradient, `hvd.allreduce` with the default op, Open MPI over TCP "
+        f"{args.mb:g} MB fp32 gradient, `hvd.allreduce` with the default op (TF: inside "
+        "`tf.function`, as Horovod's tape calls it), Open MPI over TCP "
         "between network namespaces whose links tc limits to the given rate, 1 rank per host, "
         f"median of {args.repeats} runs of the slowest rank. All hosts share this machine's "
         "2 cores, so compute-heavy rows are pessimistic. Model: see benchmarks/netbench.py.",

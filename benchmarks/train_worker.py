@@ -17,7 +17,7 @@ import time
 
 import horovod.torch as hvd
 import torch
-from allreduce_worker import compressor
+from bench_common import compressor
 
 
 def model(width: int) -> torch.nn.Module:
@@ -31,7 +31,7 @@ def run(name: str, width: int, batch: int, steps: int) -> dict:
     hvd.broadcast_parameters(net.state_dict(), root_rank=0)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.5),
                                    named_parameters=net.named_parameters(),
-                                   compression=compressor(name))
+                                   compression=compressor(name, hvd))
     gen = torch.Generator().manual_seed(hvd.rank())
     target = torch.nn.Linear(width, width)
     held_out = torch.randn(64, width, generator=torch.Generator().manual_seed(12345))

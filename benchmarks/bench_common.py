@@ -1,0 +1,34 @@
+"""Framework-free pieces shared by the benchmark workers (torch and TF).
+
+Nothing here imports a framework or a ``horovod.<framework>`` module: a TF worker must never
+import ``horovod.torch`` (NOTES: the import-order trap), so each worker passes its own
+``hvd`` module in.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from hvd_gqsgd import GlobalQSGD, QSGDAllgather
+
+
+def compressor(name: str, hvd: Any, process_set: Any = None) -> Any:
+    """``none``, ``fp16``, ``qsgd<bits>`` or ``gqsgd<bits>[@<chunk KiB>k]``."""
+    m = re.fullmatch(r"gqsgd(\d+)(?:@(\d+)k)?", name)
+    if m:
+        chunk = {} if m.group(2) is None else {"chunk_bytes": int(m.group(2)) * 1024}
+        return GlobalQSGD(bits=int(m.group(1)), process_set=process_set, **chunk)
+    if name.startswith("qsgd"):  # the per-rank-scale baseline over an allgather
+        return QSGDAllgather(bits=int(name[4:]))
+    return {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[name]
+
+
+def hvd_size_from_env() -> int:
+    """World size before hvd.init (process sets must be declared at init): mpirun's or
+    horovodrun's variable."""
+    for var in ("OMPI_COMM_WORLD_SIZE", "HOROVOD_SIZE", "PMI_SIZE"):
+        if var in os.environ:
+            return int(os.environ[var])
+    raise RuntimeError("run under mpirun or horovodrun: no world size in the environment")
