@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "benchmarks" / "ddp_bench_worker.py"
 BEGIN, END = "<!-- ddp_bench begin -->", "<!-- ddp_bench end -->"
 LABELS = {"default": "DDP default allreduce (fp32)", "fp16": "`fp16_compress_hook`",
-          "bf16": "`bf16_compress_hook`", "powersgd1": "`powerSGD_hook`, rank 1",
-          "powersgd4": "`powerSGD_hook`, rank 4", "gqsgd8": "**GlobalQSGD(8)** hook",
+          "bf16": "`bf16_compress_hook`", "powersgd1": "`powerSGD_hook`, rank 1 (one bucket)",
+          "powersgd4": "`powerSGD_hook`, rank 4 (one bucket)", "gqsgd8": "**GlobalQSGD(8)** hook",
           "gqsgd4": "**GlobalQSGD(4)** hook", "hvd-none": "Horovod, no compression",
           "hvd-gqsgd8": "Horovod + GlobalQSGD(8)"}
 

@@ -99,7 +99,12 @@ def timed_steps(net: torch.nn.Module, opt: torch.optim.Optimizer, task: Task, ar
 
 
 def run_ddp(name: str, task: Task, args) -> dict:
-    net = DDP(model(args.width))
+    # powerSGD_hook issues collectives from Future.then callbacks, which on Gloo run on a
+    # worker thread and race with the next bucket's hook: with several buckets the ranks
+    # mismatch collectives ("Received data size doesn't match expected size", seen here).
+    # One bucket leaves nothing to race with.
+    one_bucket = {"bucket_cap_mb": 2 * args.width * args.width * 2 * 4 / 2**20 + 1}
+    net = DDP(model(args.width), **(one_bucket if name.startswith("powersgd") else {}))
     register(net, name)
     opt = torch.optim.SGD(net.parameters(), lr=args.lr)
     loss_start = task.held_out_loss(net)

@@ -238,12 +238,15 @@ def global_qsgd_hook(state: GlobalQSGDState,
 
     Hazards:
         * Collective order.  Both all_reduces are issued here, on the autograd thread, in
-          bucket order.  Launching the Sum from a ``Future.then`` callback (after an async
-          MAX) would let it race with the next bucket's MAX and with DDP's own all_reduce of
-          unused-parameter flags; Gloo and NCCL match collectives by issue order, so ranks
-          issuing them in different orders exchange the wrong tensors.  The MAX is small
-          (8 bytes per block) and its wait is one round trip; the Sum, the bulk of the
-          bytes, overlaps the rest of backward.
+          bucket order.  Ranks must issue collectives in one order (Gloo tags them by issue
+          order), and a ``Future.then`` callback of a Gloo all_reduce runs on a Gloo worker
+          thread whenever it completes: launching the Sum from the MAX's callback races with
+          the next bucket's hook and with DDP's own all_reduce of unused-parameter flags.
+          Seen here: such a hook on 2 Gloo ranks failed with "Received data size doesn't
+          match expected size", and so did ``powerSGD_hook`` (which chains its collectives
+          that way) with DDP's default 25 MB buckets.  The MAX is small (8 bytes per block)
+          and its wait is one round trip; the Sum, the bulk of the bytes, overlaps the rest
+          of backward.
         * NaN/Inf in a block on any rank: that block is NaN on every rank, so AMP's
           ``GradScaler`` skips the step everywhere.
         * The group: ``state.process_group`` must be the group DDP was given.

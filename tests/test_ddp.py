@@ -218,6 +218,21 @@ def test_random_inputs_match_simulated_stochastic_rounding(name, tmp_path_factor
     assert not buckets
 
 
+@pytest.mark.parametrize("name", _configs("recorded"))
+def test_l2_norm_scale_bounds_the_error_by_one_step(name, tmp_path_factory):
+    """norm="l2": s is the max over ranks of each block's L2 norm; every rank's code is
+    floor(xL/s) or one above, so the average is within s / L of the true one."""
+    ranks = _ranks(name, tmp_path_factory)
+    n = len(ranks)
+    got = _all_equal([r["recorded"]["l2"] for r in ranks])
+    for i, g in enumerate(got):
+        xs = [random_inputs(r, 0)[i].reshape(-1).astype(np.float64) for r in range(n)]
+        blocks = np.arange(xs[0].size) // BLOCK
+        norms = [np.sqrt(np.bincount(blocks, x * x))[blocks] for x in xs]
+        step = np.max(norms, axis=0) / _levels(8, n)
+        assert np.all(np.abs(g.reshape(-1) - sum(xs) / n) <= step * (1 + 1e-5))
+
+
 @pytest.mark.parametrize("name", _configs("unbiased"))
 def test_mean_of_many_steps_is_unbiased(name, tmp_path_factory):
     ranks = _ranks(name, tmp_path_factory)

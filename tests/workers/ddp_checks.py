@@ -85,7 +85,9 @@ def recorded(rank, n, **kw):
 
     model.register_comm_hook(state, hook)
     grads = [_backward(model, random_inputs(rank, step), torch.float32) for step in range(2)]
-    return {"grads": grads, "buckets": buckets}
+    l2 = _backward(_ddp(SHAPES, torch.float32, GlobalQSGDState(norm="l2")), random_inputs(rank, 0),
+                   torch.float32)
+    return {"grads": grads, "buckets": buckets, "l2": l2}
 
 
 def unbiased(rank, n, trials=200):
