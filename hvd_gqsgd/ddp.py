@@ -164,7 +164,12 @@ class GlobalQSGDState:
     # ----------------------------------------------------------------- used by the hook
 
     def _group_size(self) -> int:
-        return dist.get_world_size(self.process_group)
+        size = dist.get_world_size(self.process_group)
+        if size < 1:  # torch answers -1 on a rank outside the group
+            raise ValueError(f"this rank ({dist.get_rank()}) is not in GlobalQSGDState's "
+                             "process_group: build the state (and DDP) "
+                             "only on the group's ranks")
+        return size
 
     def _next_key(self) -> int:
         """This rank's 64-bit noise key for the next bucket (counter-based, see kernels)."""
