@@ -1,6 +1,7 @@
 """Global-QSGD as a DDP communication hook (hvd_gqsgd.ddp), through real torch.distributed
-Gloo collectives: 2 and 3 ranks on one machine, the generic torch-ops path (the one CUDA
-tensors take) with the numba kernels switched off, and 2 emulated hosts over TCP.
+Gloo collectives: 2 and 3 ranks on one machine (mpirun, and torchrun), the generic torch-ops
+path (the one CUDA tensors take) with the numba kernels switched off, and 2 emulated hosts
+over TCP.
 
 Each configuration launches tests/workers/ddp_checks.py once; every test below compares what
 the ranks recorded with a single-process NumPy simulation written here from the algorithm's
@@ -47,6 +48,7 @@ CONFIGS = {
     # the torch-ops path of CUDA tensors, run on CPU tensors
     "generic-np2": ("local", 2, {"HVD_GQSGD_KERNELS": "0"}, ALL[:-1]),
     "hosts-np2": ("hosts", 2, {}, ("exact", "recorded", "options", "subgroup", "join")),
+    "torchrun-np2": ("torchrun", 2, {}, ("exact", "options")),
 }
 _JOBS: dict[str, list[dict]] = {}
 
@@ -68,6 +70,11 @@ def _launch(name: str, out: Path) -> list[dict]:
             # Gloo binds to what the hostname resolves to (127.0.0.1 in every namespace)
             env.update(MASTER_ADDR=hosts.addresses[0], GLOO_SOCKET_IFNAME="eth0")
             proc = hosts.mpirun(command, env=env, timeout=TIMEOUT_S)
+    elif controller == "torchrun":  # it sets RANK, WORLD_SIZE and MASTER_ADDR itself
+        torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(n),
+                    "--master_port", env.pop("MASTER_PORT")]
+        proc = subprocess.run([*torchrun, *command[1:]], env={**os.environ, **env},
+                              capture_output=True, text=True, timeout=TIMEOUT_S)
     else:  # mpirun's local ranks inherit env
         env["MASTER_ADDR"] = "127.0.0.1"
         proc = subprocess.run(launch.command(WORKER.name, "mpi", n, str(out)),
