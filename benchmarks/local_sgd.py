@@ -1,0 +1,519 @@
+"""Time to accuracy of local SGD with quantized syncs (QPRSGD) on emulated slow links.
+
+One command, as root (network namespaces), regenerates docs/LOCAL_SGD.md and its plot::
+
+    .venv/bin/python benchmarks/local_sgd.py                 # about 12 minutes
+
+It takes /tmp/gqsgd-bench.lock (other benchmarks on the machine wait, and it waits for them),
+starts 4 emulated hosts (benchmarks/emulated_hosts.py) joined by links of ``--rate``, and runs
+one mpirun job in which every run trains examples/char_lm.py's LSTM from the same weights, on
+the same windows, for the same number of steps (so the same samples):
+
+* ``sync:none`` / ``sync:gq8``: synchronous ``hvd.DistributedOptimizer``, fp32 or
+  GlobalQSGD(8) gradients, every step;
+* ``avg:K``: PostLocalSGD-style fp32 model averaging every K steps (QPRSGD allreduce with
+  ``Compression.none``: ``x_bar + mean(x_i - x_bar)`` is the plain mean of the models);
+* ``allreduce:K`` / ``gossip:K``: QPRSGD with GlobalQSGD(8) differences, every K steps.
+
+Local steps use Adam (state local to each rank).  The clock counts training only: at each
+log point (every ``--eval-every`` steps, a multiple of every K, so after a sync) it stops while
+the validation loss of the ranks' *average* model is measured (for gossip the ranks still
+differ; an fp32 average outside the clock), then runs on.  ``--worker`` is the per-rank entry
+that the driver launches; ``--from-json`` redraws the report from saved results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT))
+
+RUNS = ("sync:none", "sync:gq8", "avg:4", "avg:8", "allreduce:4", "allreduce:8", "gossip:4",
+        "gossip:8")
+LABELS = {"sync:none": "sync fp32", "sync:gq8": "sync GlobalQSGD(8)"}
+LOCK = "/tmp/gqsgd-bench.lock"
+
+
+def label(spec: str) -> str:
+    kind, _, k = spec.partition(":")
+    if spec in LABELS:
+        return LABELS[spec]
+    return {"avg": f"fp32 averaging K={k}", "allreduce": f"QPRSGD allreduce K={k}",
+            "gossip": f"QPRSGD gossip K={k}"}[kind]
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+def build(spec: str, net, args, hvd, seed: int):
+    """The optimizer of one run (an object with zero_grad/step/param_groups)."""
+    import torch
+
+    from hvd_gqsgd import GlobalQSGD
+    from hvd_gqsgd.qprsgd import QPRSGD
+
+    adam = torch.optim.Adam(net.parameters(), lr=args.lr)
+    kind, _, arg = spec.partition(":")
+    if kind == "sync":
+        comp = hvd.Compression.none if arg == "none" else GlobalQSGD(bits=8, seed=seed)
+        return hvd.DistributedOptimizer(adam, named_parameters=net.named_parameters(),
+                                        compression=comp)
+    comp = hvd.Compression.none if kind == "avg" else GlobalQSGD(bits=8, seed=seed)
+    return QPRSGD(adam, net.parameters(), period=int(arg), compression=comp,
+                  topology="gossip" if kind == "gossip" else "allreduce",
+                  warmup_steps=args.warmup_steps)
+
+
+def local_step(opt, net, batch, args, sync: bool, lm) -> float:
+    """One training step; the synchronous runs clip the reduced gradient, the local ones
+    their own."""
+    import torch
+
+    opt.zero_grad()
+    loss = lm.lm_loss(net, batch)
+    loss.backward()
+    if sync:
+        opt.synchronize()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), args.clip)
+        with opt.skip_synchronize():
+            opt.step()
+    else:
+        torch.nn.utils.clip_grad_norm_(net.parameters(), args.clip)
+        opt.step()
+    return float(loss.detach())
+
+
+def averaged_val_loss(net, windows, hvd, lm, args) -> float:
+    """COLLECTIVE: validation loss of the mean of the ranks' models (fp32, off the clock)."""
+    import torch
+
+    params = [p.detach() for p in net.parameters()]
+    mean = hvd.grouped_allreduce(params, op=hvd.Average, name="lsgd.eval")
+    probe = lm.make_model(0, net.head.out_features, args)
+    with torch.no_grad():
+        for p, m in zip(probe.parameters(), mean):
+            p.copy_(m)
+    return lm.val_loss(probe, windows)
+
+
+def train_run(spec: str, corpus, windows, args, hvd, lm) -> dict:
+    import numpy as np
+    import torch
+
+    seed = args.seed
+    net = lm.make_model(seed, len(corpus.chars), args)
+    hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+    opt = build(spec, net, args, hvd, seed)
+    steps = args.steps * (1 if spec.startswith("sync") else args.local_factor)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps, eta_min=args.lr / 10)
+    rng = np.random.default_rng(lm.rank_seed(seed, hvd.rank()))
+    batch = args.global_batch // hvd.size()
+    clock, step_times = 0.0, []
+    curve = [{"step": 0, "time_s": 0.0, "val_loss": averaged_val_loss(net, windows, hvd, lm,
+                                                                       args)}]
+    for step in range(1, steps + 1):
+        data = corpus.train_batch(rng, batch, args.seq)
+        start = time.perf_counter()
+        local_step(opt, net, data, args, spec.startswith("sync"), lm)
+        sched.step()
+        step_times.append(time.perf_counter() - start)
+        clock += step_times[-1]
+        if step % args.eval_every == 0 or step == steps:
+            curve.append({"step": step, "time_s": clock,
+                          "val_loss": averaged_val_loss(net, windows, hvd, lm, args)})
+    return {"spec": spec, "label": label(spec), "curve": curve, "train_s": clock,
+            "val_loss": curve[-1]["val_loss"], "step_times": step_times,
+            "sync_bytes": getattr(getattr(opt, "stats", None), "last_bytes", None),
+            "load_avg_1min": os.getloadavg()[0]}
+
+
+def warm_up(net, hvd) -> None:
+    """COLLECTIVE, off the clock: compile the numba kernels (first use) for this model's
+    size, so the first GlobalQSGD run does not pay for it."""
+    import torch
+
+    from hvd_gqsgd import GlobalQSGD
+
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    hvd.allreduce(torch.randn_like(flat), op=hvd.Average, compression=GlobalQSGD(bits=8),
+                  name="lsgd.warmup")
+
+
+def worker(args) -> None:
+    import char_lm as lm
+    import horovod.torch as hvd
+    import torch
+
+    hvd.init()
+    torch.set_num_threads(1)
+    corpus = lm.Corpus()
+    windows = corpus.val_windows(args.seq, args.val_chars)
+    warm_up(lm.make_model(0, len(corpus.chars), args), hvd)
+    results = []
+    for spec in args.runs.split(","):
+        results.append(train_run(spec, corpus, windows, args, hvd, lm))
+        if hvd.rank() == 0:
+            r = results[-1]
+            print(f"{r['label']}: val {r['val_loss']:.4f} after {r['train_s']:.1f} s",
+                  flush=True)
+            n_params = sum(p.numel() for p in lm.make_model(0, len(corpus.chars),
+                                                            args).parameters())
+            args.json.write_text(json.dumps({"settings": _settings(args), "n_params": n_params,
+                                             "world_size": hvd.size(), "runs": results},
+                                            indent=1))
+    hvd.shutdown()
+
+
+def _settings(args) -> dict:
+    return {k: v if isinstance(v, bool | int | float | str) or v is None else str(v)
+            for k, v in vars(args).items()}
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def launch(args, runs: str, factor: int, out: Path) -> None:
+    """Root: 4 emulated hosts at --rate, one mpirun job of ``runs``, under the bench lock."""
+    from emulated_hosts import EmulatedHosts, require_root
+
+    require_root()
+    forward = ["--steps", str(args.steps), "--eval-every", str(args.eval_every),
+               "--global-batch", str(args.global_batch), "--seq", str(args.seq),
+               "--lr", str(args.lr), "--hidden", str(args.hidden), "--embed", str(args.embed),
+               "--layers", str(args.layers), "--val-chars", str(args.val_chars),
+               "--seed", str(args.seed), "--runs", runs, "--rate", args.rate,
+               "--local-factor", str(factor),
+               "--warmup-steps", str(args.warmup_steps), "--clip", str(args.clip),
+               "--json", str(out)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", *forward]
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{ROOT / 'examples'}"}
+    with open(LOCK, "w") as lock:
+        print(f"waiting for {LOCK} ...", flush=True)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        start = time.perf_counter()
+        # Own session directory: the hosts share one /tmp and hostname, and an orted of
+        # another job's mpirun once took the same job-family directory here.
+        with tempfile.TemporaryDirectory(prefix="gq-lsgd-") as tmp, EmulatedHosts(
+                args.hosts, rate=args.rate) as hosts:
+            proc = hosts.mpirun(cmd, env=env, timeout=args.timeout,
+                                mca={"orte_tmpdir_base": tmp})
+        print(proc.stdout[-3000:], flush=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"benchmark job failed (exit {proc.returncode}):\n"
+                             f"{proc.stderr[-4000:]}")
+        print(f"job took {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def time_to(curve: list[dict], target: float) -> float | None:
+    """Training seconds at which the val loss first reaches ``target`` (linear between log
+    points); None if it never does."""
+    for a, b in zip(curve, curve[1:]):
+        if b["val_loss"] <= target:
+            if a["val_loss"] <= target:
+                return a["time_s"]
+            frac = (a["val_loss"] - target) / (a["val_loss"] - b["val_loss"])
+            return a["time_s"] + frac * (b["time_s"] - a["time_s"])
+    return None
+
+
+def analyse(payload: dict) -> dict:
+    """Targets, times to target, ratios and the communication share of sync fp32's step."""
+    runs = {r["spec"]: r for r in payload["runs"]}
+    target = runs["sync:none"]["val_loss"]
+    for r in runs.values():
+        r["time_to_target"] = time_to(r["curve"], target)
+        r["time_to_1pct"] = time_to(r["curve"], target * 1.01)
+        r["median_step_s"] = statistics.median(r["step_times"])
+        r["loss_vs_fp32_pct"] = 100 * (r["val_loss"] / target - 1)
+    compute = [statistics.median([t for i, t in enumerate(r["step_times"], 1)
+                                  if i % int(s.split(":")[1])])
+               for s, r in runs.items() if not s.startswith("sync")]
+    compute_s = min(compute) if compute else float("nan")
+    return {"target": target, "runs": runs, "compute_step_s": compute_s,
+            "factor": payload["settings"].get("local_factor", 1),
+            "comm_share": 1 - compute_s / runs["sync:none"]["median_step_s"]}
+
+
+def speedup(runs: dict, spec: str, base: str) -> float | None:
+    a, b = runs[spec]["time_to_target"], runs.get(base, {}).get("time_to_target")
+    return None if a is None or b is None else b / a
+
+
+def _x(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:.2f}x"
+
+
+def _s(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:.1f}"
+
+
+def table(res: dict) -> list[str]:
+    runs = res["runs"]
+    rows = ["| run | steps | final val loss | vs sync fp32 | train s | median step s | "
+            "s to fp32's final loss | speed-up vs sync fp32 | vs sync GQ8 | vs fp32 avg same K | "
+            "s to within 1% of it |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for spec, r in runs.items():
+        k = spec.split(":")[1]
+        avg = speedup(runs, spec, f"avg:{k}") if spec.split(":")[0] in ("allreduce",
+                                                                      "gossip") else None
+        rows.append(f"| {r['label']} | {r['curve'][-1]['step']} | {r['val_loss']:.4f} | "
+                    f"{r['loss_vs_fp32_pct']:+.2f}% | "
+                    f"{r['train_s']:.1f} | {r['median_step_s']:.3f} | "
+                    f"{_s(r['time_to_target'])} | {_x(speedup(runs, spec, 'sync:none'))} | "
+                    f"{_x(speedup(runs, spec, 'sync:gq8'))} | {_x(avg) if avg else '-'} | "
+                    f"{_s(r['time_to_1pct'])} |")
+    return rows
+
+
+def plot(same: dict, budget: dict | None, png: Path) -> None:
+    """Left: val loss against training time (the budget job if there is one); right: the
+    same-samples job against step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, res, x in ((left, budget or same, "time_s"), (right, same, "step")):
+        for spec, r in res["runs"].items():
+            style = {"linestyle": "--" if spec.startswith("sync") else
+                     (":" if spec.startswith("avg") else "-"), "marker": "."}
+            ax.plot([p[x] for p in r["curve"]], [p["val_loss"] for p in r["curve"]],
+                    label=r["label"], **style)
+        ax.axhline(res["target"], color="0.6", linewidth=0.8)
+        ax.set_ylabel("validation loss (nats/char)")
+        ax.grid(alpha=0.3)
+    left.set_xlabel("training wall time (s, rank 0, eval excluded)"
+                    + (f"; local runs {budget['factor']}x the steps" if budget else ""))
+    left.set_xscale("log")
+    right.set_xlabel("step (same samples for every run)")
+    left.legend(fontsize=7)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def best_qprsgd(runs: dict) -> str | None:
+    """The QPRSGD run (either topology, any K) that reaches the target first."""
+    cands = [s for s in runs if s.split(":")[0] in ("allreduce", "gossip")
+             and runs[s]["time_to_target"] is not None]
+    return min(cands, key=lambda s: runs[s]["time_to_target"]) if cands else None
+
+
+def _vs_gq8(same: dict, best_time: float | None) -> tuple[str, str]:
+    """Speed-up against sync GlobalQSGD(8) of the same-samples job; a lower bound (its whole
+    run) when it never reached the target."""
+    gq8 = same["runs"].get("sync:gq8")
+    if gq8 is None or best_time is None:
+        return "not measured" if gq8 is None else "not reached", "no"
+    if gq8["time_to_target"] is not None:
+        ratio = gq8["time_to_target"] / best_time
+        return f"{ratio:.2f}x", _met(ratio, 1.5)
+    ratio = gq8["train_s"] / best_time
+    return (f"> {ratio:.2f}x (sync GQ8 never reached it: it ended at {gq8['val_loss']:.4f} "
+            f"after {gq8['train_s']:.0f} s)", _met(ratio, 1.5))
+
+
+def goals(same: dict, budget: dict | None) -> list[str]:
+    timed = budget or same
+    runs, best = timed["runs"], best_qprsgd(timed["runs"])
+    k = best.split(":")[1] if best else "K"
+    vs_fp32, vs_avg = ((speedup(runs, best, b) if best else None)
+                       for b in ("sync:none", f"avg:{k}"))
+    gq8, gq8_met = _vs_gq8(same, runs[best]["time_to_target"] if best else None)
+    where = (f"time-budget job (local runs {budget['factor']}x the steps)" if budget else
+             "same-samples job")
+    rows = ["| goal | target | measured | met |", "|---|---|---|---|",
+            f"| best QPRSGD ({runs[best]['label'] if best else 'none reached it'}) to sync "
+            f"fp32's final loss, vs sync fp32 ({where}) | >= 4x | {_x(vs_fp32)} | "
+            f"{_met(vs_fp32, 4)} |",
+            f"| same vs sync GlobalQSGD(8) (its time from the same-samples job) | >= 1.5x | "
+            f"{gq8} | {gq8_met} |",
+            f"| same vs fp32 averaging at K={k} ({where}) | >= 1.5x | {_x(vs_avg)} | "
+            f"{_met(vs_avg, 1.5)} |"]
+    ar4 = same["runs"].get("allreduce:4")
+    if ar4:
+        pct = ar4["loss_vs_fp32_pct"]
+        rows.append(f"| final val loss, QPRSGD allreduce K=4 vs sync fp32, same samples | "
+                    f"within 3% | {pct:+.2f}% | {'yes' if abs(pct) <= 3 else 'no'} |")
+    return rows
+
+
+def _met(value: float | None, goal: float) -> str:
+    return "no" if value is None or value < goal else "yes"
+
+
+def observations(res: dict) -> list[str]:
+    """Sentences computed from the numbers (so they stay true when the doc is regenerated)."""
+    runs = res["runs"]
+    local = [s for s in runs if not s.startswith("sync")]
+    worse = [f"{runs[s]['label']} {runs[s]['loss_vs_fp32_pct']:+.1f}%" for s in local]
+    loads = [r["load_avg_1min"] for r in runs.values() if "load_avg_1min" in r]
+    out = [f"- The machine's 1-minute load average at the end of the runs: "
+           f"{min(loads):.1f} to {max(loads):.1f} (2 cores; 4 of those processes are "
+           "this benchmark's ranks)."] if loads else []
+    out += [f"- Synchronous fp32 spends {100 * res['comm_share']:.0f}% of its step "
+           f"communicating (median step {runs['sync:none']['median_step_s']:.3f} s against "
+           f"{res['compute_step_s']:.3f} s for a step with no communication, the median "
+           "local step of the local-SGD runs).",
+           "- Final validation loss at the same number of samples, against sync fp32: "
+           + ", ".join(worse) + "."]
+    for k in sorted({s.split(":")[1] for s in local}, key=int):
+        avg, ar, gos = (runs.get(f"{t}:{k}") for t in ("avg", "allreduce", "gossip"))
+        if avg and ar:
+            out.append(f"- K={k}, quantization: QPRSGD allreduce (8-bit differences) ends at "
+                       f"{ar['val_loss']:.4f}, fp32 averaging at {avg['val_loss']:.4f} "
+                       f"({100 * (ar['val_loss'] / avg['val_loss'] - 1):+.2f}%).")
+        if ar and gos:
+            out.append(f"- K={k}, topology: gossip ends at {gos['val_loss']:.4f}, allreduce "
+                       f"at {ar['val_loss']:.4f} "
+                       f"({100 * (gos['val_loss'] / ar['val_loss'] - 1):+.2f}%).")
+    return out
+
+
+STATIC = """\
+## Where local SGD loses accuracy
+
+- **Per sample, local SGD is worse than synchronous SGD.**  Between syncs each rank follows
+  the gradient of its own small batch (here a quarter of the global batch) from its own
+  model; those K steps are not the K steps that the averaged gradient would have taken.  The
+  table's "vs sync fp32" column shows the cost at equal samples.
+- **Adam's state stays local**: each rank's moments see only its own gradients, and model
+  averaging does not average them.  `warmup_steps` (average after every step at first) is
+  the usual remedy for the early phase; it is not measured here.
+- **Gossip averages only with neighbours**, so a sync leaves the ranks apart: on a ring of
+  4 with weights 1/3, one round with exact messages keeps a third of the disagreement, and
+  the ring's spectral gap shrinks like 1/n², so larger rings need ~n² rounds to mix.  The
+  evaluated model here is the ranks' average, which hides part of that; each rank's own
+  model is worse.  Gossip has no global collective, which pays off on many ranks or uneven
+  links rather than on 4 equal ones.
+- **Quantization adds its own error on top**: in allreduce mode at 4 ranks GlobalQSGD(8)
+  has 31 levels per sign per 1024-element block for the difference of K steps (4 codes are
+  summed in each 8-bit lane); gossip codes are never summed and get 127 levels with the
+  rank's own scale, for twice the bytes (one message per neighbour).  The "quantization"
+  lines above compare allreduce mode with fp32 averaging at the same K.
+"""
+
+
+def _setup(payload: dict) -> str:
+    s = payload["settings"]
+    return (f"{payload['world_size']} emulated hosts (network namespaces, one rank each) at "
+            f"{s['rate']} per link, on one 2-core machine shared with other work, so compute "
+            "is slow and timings are noisy.  Model: examples/char_lm.py's "
+            f"{s['layers']}-layer LSTM ({payload['n_params']:,} parameters, "
+            f"{4 * payload['n_params'] / 1e6:.2f} MB fp32) on the pydoc topics text; "
+            f"{s['steps']} steps of {s['global_batch']} windows x {s['seq']} characters over "
+            f"all ranks, Adam lr {s['lr']} cosine-decayed to a tenth over each run's steps, "
+            f"seed {s['seed']}.  Every run starts from the same weights and sees the same "
+            "windows.  Validation loss of the ranks' average model on "
+            f"{s['val_chars']:,} held-out characters every {s['eval_every']} steps; the "
+            "clock stops while it is measured.")
+
+
+def write_doc(same: dict, budget: dict | None, payload: dict, md: Path, png: Path) -> None:
+    lines = [
+        "# Local SGD with quantized syncs (QPRSGD): time to accuracy",
+        "",
+        "Regenerate (root; waits for `/tmp/gqsgd-bench.lock`; two mpirun jobs, about 35 "
+        "minutes on this project's shared 2-core machine):",
+        "",
+        "    .venv/bin/python benchmarks/local_sgd.py",
+        "",
+        "(`--from-json` redraws this page from docs/local_sgd*.json.)  " + _setup(payload),
+        "",
+        "## Same samples: every run takes the same steps",
+        "",
+        f"Target: the final validation loss of synchronous fp32, {same['target']:.4f} "
+        "nats/char.",
+        "",
+        *table(same),
+        "",
+    ]
+    if budget:
+        lines += [
+            f"## Time budget: local-SGD runs take {budget['factor']}x the steps",
+            "",
+            "A second job (its own sync fp32 run, so the same load) in which the local-SGD "
+            f"runs train {budget['factor']}x as many steps, cosine schedule over their own "
+            f"length, so that they can reach sync fp32's final loss "
+            f"({budget['target']:.4f} in this job) at all.",
+            "",
+            *table(budget),
+            "",
+        ]
+    lines += ["## Against the goals of issue 13", "", *goals(same, budget), "",
+              f"![validation loss against time and steps]({png.name})", "",
+              "## What the numbers say", "", *observations(same), "", STATIC]
+    md.write_text("\n".join(lines))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worker", action="store_true", help="per-rank entry (used by the driver)")
+    p.add_argument("--from-json", action="store_true",
+                   help="only redraw the doc and plot from --json")
+    p.add_argument("--runs", default=",".join(RUNS), help="runs of the same-samples job")
+    p.add_argument("--jobs", default="same,budget",
+                   help="which jobs to run: same (every run the same steps), budget (local "
+                        "runs --budget-factor times the steps)")
+    p.add_argument("--budget-runs", default=",".join(r for r in RUNS if r != "sync:gq8"))
+    p.add_argument("--budget-factor", type=int, default=3)
+    p.add_argument("--local-factor", type=int, default=1,
+                   help="(worker) local-SGD runs train this many times --steps")
+    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--rate", default="20mbit", help="tc rate of every host's link")
+    p.add_argument("--steps", type=int, default=160)
+    p.add_argument("--eval-every", type=int, default=16, help="a multiple of every K")
+    p.add_argument("--warmup-steps", type=int, default=0,
+                   help="local-SGD runs average every step for this many first steps")
+    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--embed", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--val-chars", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=int, default=1500, help="seconds for the mpirun job")
+    p.add_argument("--json", type=Path, default=ROOT / "docs" / "local_sgd.json")
+    p.add_argument("--md", type=Path, default=ROOT / "docs" / "LOCAL_SGD.md")
+    p.add_argument("--png", type=Path, default=ROOT / "docs" / "local_sgd.png")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker(args)
+        return
+    budget_json = args.json.with_name(args.json.stem + "_budget.json")
+    if not args.from_json:
+        if "same" in args.jobs:
+            launch(args, args.runs, 1, args.json)
+        if "budget" in args.jobs:
+            launch(args, args.budget_runs, args.budget_factor, budget_json)
+    payload = json.loads(args.json.read_text())
+    same = analyse(payload)
+    budget = analyse(json.loads(budget_json.read_text())) if budget_json.exists() else None
+    plot(same, budget, args.png)
+    write_doc(same, budget, payload, args.md, args.png)
+    print("\n".join(table(same) + [""] + (table(budget) + [""] if budget else [])
+                    + goals(same, budget)))
+    print(f"wrote {args.md} and {args.png}")
+
+
+if __name__ == "__main__":
+    main()
