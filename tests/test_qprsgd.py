@@ -344,3 +344,17 @@ def test_digits_example_runs_a_qprsgd_variant():
     assert acc_none > 0.85 and acc_q > 0.85
     # 4x from 8 bits, 4x from K=4, less the extra sync at each epoch end
     assert 10 < bytes_none / bytes_q <= 16
+
+
+def test_benchmark_time_to_target_interpolates_and_bounds():
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import local_sgd
+
+    curve = [{"time_s": 0.0, "val_loss": 4.0}, {"time_s": 10.0, "val_loss": 3.0},
+             {"time_s": 30.0, "val_loss": 2.0}]
+    assert local_sgd.time_to(curve, 2.5) == pytest.approx(20.0)
+    assert local_sgd.time_to(curve, 3.0) == pytest.approx(10.0)
+    assert local_sgd.time_to(curve, 1.9) is None
+    same = {"runs": {"sync:gq8": {"time_to_target": None, "train_s": 50.0, "val_loss": 2.1}}}
+    text, met = local_sgd._vs_gq8(same, 10.0)  # never reached: its whole run is a lower bound
+    assert text.startswith("> 5.00x") and met == "yes"
