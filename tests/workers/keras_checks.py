@@ -35,7 +35,9 @@ def fit(x, y) -> dict:
                          callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
         weights = np.concatenate([w.reshape(-1) for w in model.get_weights()])
         out[name] = {"losses": hist.history["loss"], "weights": weights,
-                     "rounds": getattr(comp, "stats", None) and comp.stats.rounds}
+                     "rounds": getattr(comp, "stats", None) and comp.stats.rounds,
+                     "tensors": getattr(comp, "stats", None) and comp.stats.tensors,
+                     "variables": len(model.trainable_variables)}
     return out
 
 
