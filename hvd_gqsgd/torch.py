@@ -18,8 +18,9 @@ import torch
 
 from . import core, kernels
 from .compressor import GlobalQSGD
+from .qprsgd import QPRSGD
 
-__all__ = ["GlobalQSGD", "TorchBackend"]
+__all__ = ["GlobalQSGD", "QPRSGD", "TorchBackend"]
 
 
 def _host_empty(shape: int | tuple[int, ...], dtype: type) -> torch.Tensor:
