@@ -214,15 +214,26 @@ def launch(args, runs: str, factor: int, out: Path) -> None:
         print(f"job took {time.perf_counter() - start:.0f} s", flush=True)
 
 
-def time_to(curve: list[dict], target: float) -> float | None:
-    """Training seconds at which the val loss first reaches ``target`` (linear between log
-    points); None if it never does."""
+def merge(into: Path, extra: Path) -> None:
+    """Add the runs of a later job (``--append``) to a job's results, marked as such."""
+    payload, more = json.loads(into.read_text()), json.loads(extra.read_text())
+    for run in more["runs"]:
+        run["appended"] = True
+    known = {r["spec"] for r in more["runs"]}
+    payload["runs"] = [r for r in payload["runs"] if r["spec"] not in known] + more["runs"]
+    into.write_text(json.dumps(payload, indent=1))
+    extra.unlink()
+
+
+def time_to(curve: list[dict], target: float, key: str = "time_s") -> float | None:
+    """Training seconds (or, with ``key="step"``, steps) at which the val loss first reaches
+    ``target`` (linear between log points); None if it never does."""
     for a, b in zip(curve, curve[1:]):
         if b["val_loss"] <= target:
             if a["val_loss"] <= target:
-                return a["time_s"]
+                return a[key]
             frac = (a["val_loss"] - target) / (a["val_loss"] - b["val_loss"])
-            return a["time_s"] + frac * (b["time_s"] - a["time_s"])
+            return a[key] + frac * (b[key] - a[key])
     return None
 
 
@@ -233,6 +244,7 @@ def analyse(payload: dict) -> dict:
     for r in runs.values():
         r["time_to_target"] = time_to(r["curve"], target)
         r["time_to_1pct"] = time_to(r["curve"], target * 1.01)
+        r["steps_to_target"] = time_to(r["curve"], target, "step")
         r["median_step_s"] = statistics.median(r["step_times"])
         r["loss_vs_fp32_pct"] = 100 * (r["val_loss"] / target - 1)
     compute = [statistics.median([t for i, t in enumerate(r["step_times"], 1)
@@ -260,9 +272,9 @@ def _s(value: float | None) -> str:
 def table(res: dict) -> list[str]:
     runs = res["runs"]
     rows = ["| run | steps | final val loss | vs sync fp32 | train s | median step s | "
-            "s to fp32's final loss | speed-up vs sync fp32 | vs sync GQ8 | vs fp32 avg same K | "
-            "s to within 1% of it |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "s to fp32's final loss | steps to it | speed-up vs sync fp32 | vs sync GQ8 | "
+            "vs fp32 avg same K | s to within 1% of it | load avg |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for spec, r in runs.items():
         k = spec.split(":")[1]
         avg = speedup(runs, spec, f"avg:{k}") if spec.split(":")[0] in ("allreduce",
@@ -270,10 +282,17 @@ def table(res: dict) -> list[str]:
         rows.append(f"| {r['label']} | {r['curve'][-1]['step']} | {r['val_loss']:.4f} | "
                     f"{r['loss_vs_fp32_pct']:+.2f}% | "
                     f"{r['train_s']:.1f} | {r['median_step_s']:.3f} | "
-                    f"{_s(r['time_to_target'])} | {_x(speedup(runs, spec, 'sync:none'))} | "
+                    f"{_s(r['time_to_target'])} | {_s(r['steps_to_target'])} | "
+                    f"{_x(speedup(runs, spec, 'sync:none'))} | "
                     f"{_x(speedup(runs, spec, 'sync:gq8'))} | {_x(avg) if avg else '-'} | "
-                    f"{_s(r['time_to_1pct'])} |")
+                    f"{_s(r['time_to_1pct'])} | {_load(r)} |")
     return rows
+
+
+def _load(run: dict) -> str:
+    load = run.get("load_avg_1min")
+    text = "not recorded" if load is None else f"{load:.1f}"
+    return text + (" (later job)" if run.get("appended") else "")
 
 
 def plot(same: dict, budget: dict | None, png: Path) -> None:
@@ -288,7 +307,8 @@ def plot(same: dict, budget: dict | None, png: Path) -> None:
     for ax, res, x in ((left, budget or same, "time_s"), (right, same, "step")):
         for spec, r in res["runs"].items():
             style = {"linestyle": "--" if spec.startswith("sync") else
-                     (":" if spec.startswith("avg") else "-"), "marker": "."}
+                     (":" if spec.startswith("avg") else "-"), "marker": ".",
+                     "color": f"C{RUNS.index(spec)}" if spec in RUNS else None}
             ax.plot([p[x] for p in r["curve"]], [p["val_loss"] for p in r["curve"]],
                     label=r["label"], **style)
         ax.axhline(res["target"], color="0.6", linewidth=0.8)
@@ -299,6 +319,7 @@ def plot(same: dict, budget: dict | None, png: Path) -> None:
     left.set_xscale("log")
     right.set_xlabel("step (same samples for every run)")
     left.legend(fontsize=7)
+    right.legend(fontsize=7)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
@@ -333,7 +354,7 @@ def goals(same: dict, budget: dict | None) -> list[str]:
     vs_fp32, vs_avg = ((speedup(runs, best, b) if best else None)
                        for b in ("sync:none", f"avg:{k}"))
     gq8, gq8_met = _vs_gq8(same, runs[best]["time_to_target"] if best else None)
-    where = (f"time-budget job (local runs {budget['factor']}x the steps)" if budget else
+    where = (f"time-budget job, local runs {budget['factor']}x the steps" if budget else
              "same-samples job")
     rows = ["| goal | target | measured | met |", "|---|---|---|---|",
             f"| best QPRSGD ({runs[best]['label'] if best else 'none reached it'}) to sync "
@@ -367,7 +388,8 @@ def observations(res: dict) -> list[str]:
     out += [f"- Synchronous fp32 spends {100 * res['comm_share']:.0f}% of its step "
            f"communicating (median step {runs['sync:none']['median_step_s']:.3f} s against "
            f"{res['compute_step_s']:.3f} s for a step with no communication, the median "
-           "local step of the local-SGD runs).",
+           "local step of the local-SGD runs).  On this oversubscribed machine part of that "
+           "is Horovod's background threads waiting for a core, not the link.",
            "- Final validation loss at the same number of samples, against sync fp32: "
            + ", ".join(worse) + "."]
     for k in sorted({s.split(":")[1] for s in local}, key=int):
@@ -380,6 +402,26 @@ def observations(res: dict) -> list[str]:
             out.append(f"- K={k}, topology: gossip ends at {gos['val_loss']:.4f}, allreduce "
                        f"at {ar['val_loss']:.4f} "
                        f"({100 * (gos['val_loss'] / ar['val_loss'] - 1):+.2f}%).")
+    return out
+
+
+def budget_notes(budget: dict) -> list[str]:
+    """The load-independent part of the time-budget job (steps), and the caveat on times."""
+    runs = budget["runs"]
+    steps = [f"{r['label']} {r['steps_to_target']:.0f}" for s, r in runs.items()
+             if not s.startswith("sync") and r["steps_to_target"] is not None]
+    loads = [r["load_avg_1min"] for r in runs.values() if "load_avg_1min" in r]
+    out = ["- Steps to sync fp32's final loss (it needed its 160; the other runs had "
+           "their own, longer cosine schedule): " + ", ".join(steps) + ".  Fewer than 160 "
+           "does not mean local SGD learns more per sample (the same-samples table shows the "
+           "opposite): a cosine schedule over 3x the steps still has nearly its full learning "
+           "rate there.  Steps do not depend on the machine's load; seconds do."]
+    if loads:
+        out.append(f"- The 1-minute load average ranged from {min(loads):.1f} to "
+                   f"{max(loads):.1f} over this job's runs (2 cores, 4 ranks of ours), so "
+                   "ratios between runs that ran at different loads mix the network's "
+                   "effect with the machine's: compare runs of similar load, or the steps "
+                   "column times each run's median step time.")
     return out
 
 
@@ -426,8 +468,8 @@ def write_doc(same: dict, budget: dict | None, payload: dict, md: Path, png: Pat
     lines = [
         "# Local SGD with quantized syncs (QPRSGD): time to accuracy",
         "",
-        "Regenerate (root; waits for `/tmp/gqsgd-bench.lock`; two mpirun jobs, about 35 "
-        "minutes on this project's shared 2-core machine):",
+        "Regenerate (root; waits for `/tmp/gqsgd-bench.lock`; two mpirun jobs, 45 minutes "
+        "or more on this project's shared 2-core machine, depending on its load):",
         "",
         "    .venv/bin/python benchmarks/local_sgd.py",
         "",
@@ -448,9 +490,15 @@ def write_doc(same: dict, budget: dict | None, payload: dict, md: Path, png: Pat
             "A second job (its own sync fp32 run, so the same load) in which the local-SGD "
             f"runs train {budget['factor']}x as many steps, cosine schedule over their own "
             f"length, so that they can reach sync fp32's final loss "
-            f"({budget['target']:.4f} in this job) at all.",
+            f"({budget['target']:.4f} in this job) at all.  Last column: the machine's "
+            "1-minute load average when the run ended."
+            + ("  Rows marked \"(later job)\" were added by a later job (`--jobs budget "
+               "--append --budget-runs ...`): their times were taken under another load."
+               if any(r.get("appended") for r in budget["runs"].values()) else ""),
             "",
             *table(budget),
+            "",
+            *budget_notes(budget),
             "",
         ]
     lines += ["## Against the goals of issue 13", "", *goals(same, budget), "",
@@ -470,6 +518,9 @@ def parse_args() -> argparse.Namespace:
                         "runs --budget-factor times the steps)")
     p.add_argument("--budget-runs", default=",".join(r for r in RUNS if r != "sync:gq8"))
     p.add_argument("--budget-factor", type=int, default=3)
+    p.add_argument("--append", action="store_true",
+                   help="budget job: add --budget-runs to the saved budget results instead of "
+                        "replacing them (e.g. after a job ran past --timeout)")
     p.add_argument("--local-factor", type=int, default=1,
                    help="(worker) local-SGD runs train this many times --steps")
     p.add_argument("--hosts", type=int, default=4)
@@ -487,7 +538,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--val-chars", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=int, default=1500, help="seconds for the mpirun job")
+    p.add_argument("--timeout", type=int, default=3600, help="seconds per mpirun job")
     p.add_argument("--json", type=Path, default=ROOT / "docs" / "local_sgd.json")
     p.add_argument("--md", type=Path, default=ROOT / "docs" / "LOCAL_SGD.md")
     p.add_argument("--png", type=Path, default=ROOT / "docs" / "local_sgd.png")
@@ -503,7 +554,11 @@ def main() -> None:
     if not args.from_json:
         if "same" in args.jobs:
             launch(args, args.runs, 1, args.json)
-        if "budget" in args.jobs:
+        if "budget" in args.jobs and args.append:
+            extra = budget_json.with_name(budget_json.stem + "_extra.json")
+            launch(args, args.budget_runs, args.budget_factor, extra)
+            merge(budget_json, extra)
+        elif "budget" in args.jobs:
             launch(args, args.budget_runs, args.budget_factor, budget_json)
     payload = json.loads(args.json.read_text())
     same = analyse(payload)
