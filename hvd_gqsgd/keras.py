@@ -36,7 +36,11 @@ import tensorflow as tf
 __all__ = ["BroadcastGlobalVariablesCallback", "DistributedOptimizer", "MetricAverageCallback",
            "broadcast_variables"]
 
-_GRADS_NAME = "hvd_gqsgd.keras.grads"  # stable, so Horovod's response cache hits every step
+# Horovod matches collectives across ranks by op name.  Keras names optimizers and layers
+# from per-process counters ("sgd_3/..."), which differ between ranks as soon as one rank
+# builds an extra model or optimizer (an evaluation copy, a checkpoint restore); so every
+# collective here gets a fixed name and ignore_name_scope=True, never a Keras-derived one.
+_GRADS_NAME = "hvd_gqsgd.keras.grads"  # also stable across steps: the response cache hits
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,8 @@ class _Reduction:
         where = [i for i, g in enumerate(grads) if g is not None]
         dense = [tf.convert_to_tensor(grads[i]) for i in where]
         reduced = hvd.grouped_allreduce(dense, op=self.op, compression=self.compression,
-                                        process_set=self.process_set, name=_GRADS_NAME)
+                                        process_set=self.process_set, name=_GRADS_NAME,
+                                        ignore_name_scope=True)
         out = list(grads)
         for i, r in zip(where, reduced):
             out[i] = r
@@ -119,6 +124,11 @@ def DistributedOptimizer(optimizer: Any, compression: Any = None, op: Any = None
     r"""A copy of the Keras 3 ``optimizer`` that averages (``op``) its gradients over Horovod
     ranks before applying them; pass it to ``model.compile``.
 
+    With ``g_r`` the gradient rank ``r`` computed on its own batch, every rank applies
+    :math:`\bar g = \frac1n \sum_{r=1}^{n} g_r` (``hvd.Average``; ``hvd.Sum`` drops the
+    1/n), up to the compressor's error: with equal batch sizes, the gradient of the mean
+    loss over all ranks' batches.  Every rank gets the same bits.
+
     Where the reduction happens, per step, inside Keras 3's ``apply``:
 
     1. Keras drops ``None`` gradients and unscales a static ``loss_scale_factor``.
@@ -169,7 +179,11 @@ def DistributedOptimizer(optimizer: Any, compression: Any = None, op: Any = None
         * Every rank must run the same number of steps (same number of batches per epoch).
         * Legacy Keras (``tf_keras``, ``TF_USE_LEGACY_KERAS=1``) optimizers are refused: use
           ``horovod.tensorflow.keras.DistributedOptimizer`` there, which works.
-        * ``model.save`` records the subclass; save the wrapped optimizer's config instead.
+        * ``model.save`` records the generated class (``DistributedSGD``, ...), which
+          ``keras.models.load_model`` cannot locate: load with ``compile=False`` and compile
+          again with a new ``DistributedOptimizer``.
+        * ``tf.IndexedSlices`` gradients (``Embedding``) are made dense before the reduction,
+          so the compressor sees them; this costs a dense tensor per embedding table.
     """
     optimizer = _keras3_optimizer(optimizer)
     reduction = _reduction(compression, op, process_set)
@@ -243,18 +257,25 @@ def _tf_variables(variables: Sequence[Any]) -> list[Any]:
 
 def broadcast_variables(model: Any, root_rank: int = 0, process_set: Any = None) -> None:
     """COLLECTIVE: copy rank ``root_rank``'s model variables (trainable and not) and, if the
-    optimizer is built, its variables (iterations, moments, loss scale) to every rank."""
+    model is compiled, its optimizer's variables (iterations, moments, loss scale) to every
+    rank.  An optimizer not built yet is built here first (as its first ``apply`` would), so
+    every rank broadcasts the same list even when only rank 0 restored optimizer state."""
     variables = list(model.variables)
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and optimizer.built:
+    if optimizer is not None:
+        if not optimizer.built:
+            optimizer.build(model.trainable_variables)
         variables += list(optimizer.variables)
-    hvd.broadcast_variables(_tf_variables(variables), root_rank=root_rank,
-                            process_set=_or_global(process_set))
+    process_set = _or_global(process_set)
+    # one blocking broadcast per variable, once per training run; named by position
+    for i, v in enumerate(_tf_variables(variables)):
+        v.assign(hvd.broadcast(v, root_rank, name=f"hvd_gqsgd.keras.broadcast.{i}",
+                               ignore_name_scope=True, process_set=process_set))
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Keras 3 callback: :func:`broadcast_variables` from ``root_rank`` when the first
-    ``fit`` begins (Keras has built the optimizer by then), so all ranks start equal.
+    ``fit`` begins, so all ranks start from rank ``root_rank``'s weights and optimizer state.
 
     Also refuses a ``LossScaleOptimizer`` wrapped around :func:`DistributedOptimizer` (what
     ``model.compile`` does under a per-model ``mixed_float16`` policy), which could hang.
@@ -306,5 +327,6 @@ class MetricAverageCallback(keras.callbacks.Callback):
         names = sorted(k for k, v in logs.items() if isinstance(v, (int, float)))
         values = tf.constant([float(logs[k]) for k in names], tf.float64)
         mean = hvd.allreduce(values, op=hvd.Average, name="hvd_gqsgd.keras.metrics",
+                             ignore_name_scope=True,
                              process_set=_or_global(self.process_set)).numpy()
         logs.update(zip(names, (float(m) for m in mean)))

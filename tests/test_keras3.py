@@ -65,6 +65,12 @@ def test_without_the_wrapper_ranks_diverge(ranks):
     assert np.abs(runs[0]["weights"] - runs[1]["weights"]).max() > 1e-3
 
 
+def test_broadcast_restored_optimizer_state(ranks):
+    runs = [r["restored"] for r in ranks]
+    _identical(runs)  # momentum and iterations came from rank 0, no hang
+    assert {r["iterations"] for r in runs} == {5 + STEPS}
+
+
 def test_uncompressed_matches_single_process(ranks):
     ref = ranks[0]["features"]["plain_ref"]["weights"]
     for eager in (False, True):
@@ -119,6 +125,25 @@ def test_feature_matches_single_process(ranks, name):
         assert np.abs(ref - unclipped).max() > 100 * TOL, name
     if name == "accumulate":
         assert runs[0]["iterations"] == STEPS // 2
+
+
+def test_sum_with_globalqsgd(ranks):
+    runs = [r["features"]["sum_gq8"]["dist"] for r in ranks]
+    _identical(runs)
+    ref = ranks[0]["features"]["sum"]["ref"]["weights"]  # SGD(LR) on the mean gradient
+    assert not np.array_equal(runs[0]["weights"], ranks[0]["features"]["sum"]["dist"]["weights"])
+    assert np.abs(runs[0]["weights"] - ref).max() < 0.02
+
+
+def test_embedding_gradient_goes_through_the_compressor(ranks):
+    emb = [r["features"]["embedding"] for r in ranks]
+    assert emb[0]["indexed_slices"]  # Keras 3 gives the Embedding a tf.IndexedSlices
+    runs = [e["dist"] for e in emb]
+    _identical(runs)
+    for r in runs:  # made dense: all 3 gradients in each eager round (GlobalQSGD(8))
+        assert (r["stats"]["rounds"], r["stats"]["tensors"]) == (STEPS, STEPS * r["n_vars"])
+    assert runs[0]["n_vars"] == 3
+    assert np.abs(runs[0]["weights"] - emb[0]["ref"]["weights"]).max() < 0.02
 
 
 def test_loss_scale_skips_together(ranks):

@@ -30,8 +30,11 @@ ROWS, BATCH, EPOCHS = 128, 32, 3  # 4 steps an epoch, 12 in all
 LR = 0.05
 
 
-def _model(seed: int) -> keras.Model:
+def _model(seed: int, sparse: bool = False) -> keras.Model:
     keras.utils.set_random_seed(seed)
+    if sparse:  # an Embedding, whose gradient is a tf.IndexedSlices
+        return keras.Sequential([keras.Input((8,), dtype="int32"), keras.layers.Embedding(32, 2),
+                                 keras.layers.Flatten(), keras.layers.Dense(1)])
     return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
                              keras.layers.Dense(1)])
 
@@ -53,8 +56,11 @@ class _EpochWeights(keras.callbacks.Callback):
         self.raw_logs.append(dict(logs or {}))
 
 
-def _data(rank: int, poison: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def _data(rank: int, poison: bool = False,
+          sparse: bool = False) -> tuple[np.ndarray, np.ndarray]:
     x, y = training_data(rank, ROWS)
+    if sparse:  # token ids for the Embedding model
+        return (np.abs(x) * 10).astype(np.int32) % 32, y
     if poison and rank == 1:  # one non-finite input on rank 1, in its 3rd batch of epoch 1
         x = x.copy()
         x[2 * BATCH + 5, 0] = np.inf
@@ -62,13 +68,14 @@ def _data(rank: int, poison: bool = False) -> tuple[np.ndarray, np.ndarray]:
 
 
 def distributed_fit(rank: int, make_opt, eager: bool = False, poison: bool = False,
-                    average_metrics: bool = False, **compile_kw) -> dict:
+                    average_metrics: bool = False, sparse: bool = False,
+                    **compile_kw) -> dict:
     """model.fit on this rank's rows with the optimizer ``make_opt()`` returns."""
-    model, record = _model(seed=rank), _EpochWeights()
+    model, record = _model(rank, sparse), _EpochWeights()
     opt = make_opt()
     model.compile(optimizer=opt, loss="mse", run_eagerly=eager, **compile_kw)
     callbacks = [BroadcastGlobalVariablesCallback(0), record]
-    x, y = _data(rank, poison)
+    x, y = _data(rank, poison, sparse)
     extra = {}
     if average_metrics:  # val_loss too, from this rank's own validation rows
         callbacks.append(MetricAverageCallback())
@@ -89,14 +96,14 @@ def _loss_scale(opt) -> dict:
     return {"scale": float(opt.dynamic_scale.numpy()), "counter": int(opt.step_counter.numpy())}
 
 
-def reference_fit(n: int, make_opt, poison: bool = False) -> dict:
+def reference_fit(n: int, make_opt, poison: bool = False, sparse: bool = False) -> dict:
     """Single process: the same steps on batches that join all n ranks' batches."""
-    parts = [_data(r, poison) for r in range(n)]
+    parts = [_data(r, poison, sparse) for r in range(n)]
     xs, ys = [], []
     for i in range(0, ROWS, BATCH):
         xs += [x[i:i + BATCH] for x, _ in parts]
         ys += [y[i:i + BATCH] for _, y in parts]
-    model, opt = _model(seed=0), make_opt()
+    model, opt = _model(0, sparse), make_opt()
     model.compile(optimizer=opt, loss="mse")
     model.fit(np.concatenate(xs), np.concatenate(ys), batch_size=n * BATCH, epochs=EPOCHS,
               verbose=0, shuffle=False)
@@ -104,8 +111,8 @@ def reference_fit(n: int, make_opt, poison: bool = False) -> dict:
             **_loss_scale(opt)}
 
 
-def _sgd(**kw):
-    return lambda: keras.optimizers.SGD(LR, **kw)
+def _sgd(lr: float = LR, **kw):
+    return lambda: keras.optimizers.SGD(lr, **kw)
 
 
 def _wrapped(base, compression=None, **kw):
@@ -124,17 +131,33 @@ FEATURES = {
 }
 
 
+def _embedding_grad_is_sparse() -> bool:
+    """Guards the embedding case: Keras 3 gives the Embedding an IndexedSlices gradient,
+    which the wrapper makes dense so the compressor sees it."""
+    model = _model(0, sparse=True)
+    x, y = _data(0, sparse=True)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((model(x[:4]) - y[:4]) ** 2)
+    return isinstance(tape.gradient(loss, model.trainable_variables)[0], tf.IndexedSlices)
+
+
 def features(rank: int, n: int) -> dict:
     """Each Keras feature that sits inside apply, on the ranks and (rank 0) as a reference;
     clipping also without the clip, to show the clip was active."""
     out = {name: {"dist": distributed_fit(rank, dist, **kw)}
            for name, (_, dist, kw) in FEATURES.items()}
-    out["sum"] = {"dist": distributed_fit(rank, _wrapped(lambda: keras.optimizers.SGD(LR / n),
-                                                         op=hvd.Sum))}
+    out["embedding"] = {"dist": distributed_fit(rank, _wrapped(_sgd(), GlobalQSGD(bits=8)),
+                                                sparse=True, eager=True),
+                        "indexed_slices": _embedding_grad_is_sparse()}
+    # Sum of n gradients at lr/n is the Average at lr
+    out["sum"] = {"dist": distributed_fit(rank, _wrapped(_sgd(LR / n), op=hvd.Sum))}
+    out["sum_gq8"] = {"dist": distributed_fit(
+        rank, _wrapped(_sgd(LR / n), GlobalQSGD(bits=8), op=hvd.Sum))}
     if rank == 0:
         for name, (ref, _, _) in FEATURES.items():
             out[name]["ref"] = reference_fit(n, ref)
         out["sum"]["ref"] = reference_fit(n, _sgd())
+        out["embedding"]["ref"] = reference_fit(n, _sgd(), sparse=True)
         out["unclipped_ref"] = reference_fit(n, _sgd())
         out["plain_ref"] = reference_fit(n, _sgd(momentum=0.9))  # compressors() "none" runs
     return out
@@ -154,6 +177,28 @@ def compressors(rank: int) -> dict:
         rank, _wrapped(_sgd(), GlobalQSGD(bits=8), backward_passes_per_step=2), eager=True)
     out["unwrapped"] = distributed_fit(rank, _sgd(momentum=0.9))
     return out
+
+
+def restored(rank: int) -> dict:
+    """Only rank 0 holds optimizer state (as after restoring a checkpoint there); the
+    callback must still broadcast the same variable list on every rank.  Rank 0 also builds
+    an extra model and optimizer first, so Keras's automatic names ("sequential_7",
+    "sgd_12") differ between ranks: collectives must not be named after them."""
+    if rank == 0:
+        _model(99)
+        keras.optimizers.SGD(LR)
+    model, record = _model(rank), _EpochWeights()
+    opt = DistributedOptimizer(keras.optimizers.SGD(LR, momentum=0.9))
+    model.compile(optimizer=opt, loss="mse")
+    if rank == 0:
+        opt.build(model.trainable_variables)
+        opt.iterations.assign(5)
+        for m in opt.momentums:
+            m.assign(tf.fill(m.shape, 0.01))
+    x, y = _data(rank)
+    model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0, shuffle=False,
+              callbacks=[BroadcastGlobalVariablesCallback(0), record])
+    return {"weights": _flat(model), "iterations": int(opt.iterations.numpy())}
 
 
 def _lso():
@@ -228,7 +273,8 @@ def main() -> None:
     rank, n = hvd.rank(), hvd.size()
     results = {"size": n, "keras": keras.__version__, "tf_keras": tf.keras.__name__,
                "refusals": refusals(rank), "compressors": compressors(rank),
-               "features": features(rank, n), "loss_scale": loss_scale(rank, n)}
+               "features": features(rank, n), "loss_scale": loss_scale(rank, n),
+               "restored": restored(rank)}
     hvd.allreduce(tf.constant(0.0), name="keras3.barrier")
     with open(os.path.join(sys.argv[1], f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(results, f)
