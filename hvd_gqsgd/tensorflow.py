@@ -59,13 +59,6 @@ def group_gradients(late: bool = False) -> None:
     make = hvd._make_allreduce_grads_fn
     if getattr(make, "_hvd_gqsgd_groups", False):
         return
-    if late:
-        warnings.warn(
-            "GlobalQSGD was constructed before horovod.tensorflow was imported, so "
-            "DistributedGradientTape/DistributedOptimizer objects created until now reduce "
-            "gradients one by one (a scale exchange and a code allreduce per gradient: slow "
-            "for many small tensors). Construct GlobalQSGD after `import horovod.tensorflow`, "
-            "or pass num_groups=1 to them.", RuntimeWarning, stacklevel=3)
     signature = inspect.signature(make)
 
     @functools.wraps(make)
@@ -78,6 +71,13 @@ def group_gradients(late: bool = False) -> None:
 
     make_grouped._hvd_gqsgd_groups = True  # type: ignore[attr-defined]
     hvd._make_allreduce_grads_fn = make_grouped
+    if late:
+        warnings.warn(
+            "GlobalQSGD was constructed before horovod.tensorflow was imported, so "
+            "DistributedGradientTape/DistributedOptimizer objects created until now reduce "
+            "gradients one by one (a scale exchange and a code allreduce per gradient: slow "
+            "for many small tensors). Construct GlobalQSGD after `import horovod.tensorflow`, "
+            "or pass num_groups=1 to them.", RuntimeWarning, stacklevel=3)
 
 
 def tape_sources(variables: Sequence[Any]) -> list[Any]:

@@ -165,3 +165,37 @@ def test_nan_poisons_only_its_block_in_a_graph():
         ops, tf.constant(x), tf.zeros([38], tf.int64), bits, 100, level)
     out = out.numpy()
     assert np.isnan(out[100:200]).all() and np.isfinite(np.delete(out, range(100, 200))).all()
+
+
+_GROUPING = """
+import warnings
+warnings.simplefilter("error", RuntimeWarning)
+{first}
+import horovod.tensorflow as hvd
+import tensorflow as tf
+hvd.init()
+{second}
+try:
+    comp.compress(tf.ones([3]))
+except RuntimeWarning as w:
+    print("warned:", w)
+print("grouped:", getattr(hvd._make_allreduce_grads_fn, "_hvd_gqsgd_groups", False))
+"""
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_gradients_are_grouped_and_a_late_compressor_warns(late):
+    """Constructed after ``import horovod.tensorflow``, a GlobalQSGD makes Horovod's tape
+    group its gradients silently; constructed before, the first TF tensor installs the
+    grouping and warns that tapes made until then reduce gradient by gradient."""
+    import subprocess
+    import sys
+
+    make = "from hvd_gqsgd import GlobalQSGD\ncomp = GlobalQSGD(bits=8)"
+    code = _GROUPING.format(first=make if late else "", second="" if late else make)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**__import__("os").environ,
+                                            "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "grouped: True" in proc.stdout
+    assert ("warned: GlobalQSGD was constructed before horovod.tensorflow" in proc.stdout) == late
