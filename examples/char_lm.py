@@ -203,7 +203,7 @@ def report(runs: list[dict], corpus: Corpus, args, n_params: int) -> None:
         if spec != "none":
             rel = [100 * (r["val_loss"] / b["val_loss"] - 1) for r, b in zip(group, base)]
             print(f"{group[0]['label']}: val loss {np.mean(rel):+.2f}% vs fp32 "
-                  f"({group[0]['bytes_vs_fp32']:.2f}x fewer gradient bytes)")
+                  f"({group[0]['bytes_vs_fp32']:.2f}x fewer bytes per step)")
 
 
 def parse_args() -> argparse.Namespace:
