@@ -114,9 +114,26 @@ def _distributed_class(base: type) -> Any:
     if base not in _CLASSES:
         is_lso = issubclass(base, keras.optimizers.LossScaleOptimizer)
         mixin = _ReduceBeforeLossScale if is_lso else _ReduceBeforeClipping
+        if not is_lso:
+            _check_hook(base)
         _CLASSES[base] = type(f"Distributed{base.__name__}", (mixin, base),
                               {"__module__": __name__, "__doc__": DistributedOptimizer.__doc__})
     return _CLASSES[base]
+
+
+def _check_hook(base: type) -> None:
+    """Refuse a class whose ``apply`` would bypass ``_clip_gradients``: the wrapper would then
+    never reduce, silently (Horovod's Keras 2 optimizer under Keras 3)."""
+    if not callable(getattr(base, "_clip_gradients", None)):
+        raise TypeError(
+            f"{base.__name__} has no _clip_gradients, the Keras 3 optimizer method "
+            f"hvd_gqsgd.keras reduces in; Keras {keras.__version__} is not supported "
+            "(tested with Keras 3.15).")
+    if base.apply is not keras.optimizers.Optimizer.apply:  # type: ignore[attr-defined]
+        raise TypeError(
+            f"{base.__name__} overrides apply (e.g. MultiOptimizer delegates to inner "
+            "optimizers), so hvd_gqsgd.keras cannot tell where its gradients are applied. "
+            "Wrap a plain Keras optimizer or a LossScaleOptimizer.")
 
 
 def DistributedOptimizer(optimizer: Any, compression: Any = None, op: Any = None,  # noqa: N802
@@ -177,6 +194,8 @@ def DistributedOptimizer(optimizer: Any, compression: Any = None, op: Any = None
         * ``jit_compile=True`` is refused (Horovod ops have no XLA kernels); Keras's "auto"
           picks XLA when a GPU is visible, so pass ``jit_compile=False`` there.
         * Every rank must run the same number of steps (same number of batches per epoch).
+        * ``keras.optimizers.MultiOptimizer`` (its ``apply`` delegates to inner optimizers)
+          is refused: the reduction would never run.
         * Legacy Keras (``tf_keras``, ``TF_USE_LEGACY_KERAS=1``) optimizers are refused: use
           ``horovod.tensorflow.keras.DistributedOptimizer`` there, which works.
         * ``model.save`` records the generated class (``DistributedSGD``, ...), which

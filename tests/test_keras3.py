@@ -172,6 +172,7 @@ def ref_iterations(ls):
     ("mixed_plain", ["LossScaleOptimizer(opt)"]),
     ("lso_around", ["LossScaleOptimizer(opt)", "mixed_float16"]),
     ("not_keras", ["TypeError", "keras.optimizers.Optimizer"]),
+    ("multi", ["TypeError", "MultiOptimizer overrides apply"]),
     ("bpps_conflict", ["gradient_accumulation_steps=3"]),
 ])
 def test_refusals(ranks, case, words):

@@ -263,6 +263,8 @@ def refusals(rank: int) -> dict:
         "mixed_plain": _error(_mixed_policy_plain),
         "lso_around": _error(lambda: _lso_around_wrapper(rank)),
         "not_keras": _error(lambda: DistributedOptimizer(object())),
+        "multi": _error(lambda: DistributedOptimizer(keras.optimizers.MultiOptimizer(
+            keras.optimizers.OptimizerMap(keras.optimizers.SGD(LR))))),
         "bpps_conflict": _error(lambda: DistributedOptimizer(
             keras.optimizers.SGD(LR, gradient_accumulation_steps=3), backward_passes_per_step=2)),
     }
