@@ -46,15 +46,17 @@ def run_job(net: EmulatedHosts, mode: str, variants: str, args) -> list[dict]:
 
 def table(rows: list[dict], rate: str) -> list[str]:
     lines = ["| hosts | variant | median step (s) | default / this | fp16 hook / this | "
-             "held-out loss start -> end |", "|---|---|---|---|---|---|"]
+             "held-out loss start -> end | end - default's end |", "|---|---|---|---|---|---|---|"]
     for hosts in sorted({r["ranks"] for r in rows}):
         mine = [r for r in rows if r["ranks"] == hosts]
-        base = {r["variant"]: r["median_s"] for r in mine}
+        base = {r["variant"]: r for r in mine}
         for r in mine:
             lines.append(
                 f"| {hosts} | {LABELS.get(r['variant'], r['variant'])} | {r['median_s']:.3f} | "
-                f"{base['default'] / r['median_s']:.2f}x | {base['fp16'] / r['median_s']:.2f}x | "
-                f"{r['loss_start']:.4f} -> {r['loss_end']:.4f} |")
+                f"{base['default']['median_s'] / r['median_s']:.2f}x | "
+                f"{base['fp16']['median_s'] / r['median_s']:.2f}x | "
+                f"{r['loss_start']:.4f} -> {r['loss_end']:.6f} | "
+                f"{r['loss_end'] - base['default']['loss_end']:+.1e} |")
     return [f"Links at {rate}, Gloo, batch 32, lr 0.5; one run (`python benchmarks/ddp_bench.py`"
             f", {time.strftime('%Y-%m-%d')}).", "", *lines]
 
