@@ -21,6 +21,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,8 +38,9 @@ def model(width: int) -> torch.nn.Module:
                                torch.nn.Linear(2 * width, width))
 
 
-def register(net: DDP, name: str) -> None:
-    """Install variant ``name``'s communication hook (``default``: DDP's own allreduce)."""
+def register(net: DDP, name: str) -> Any:
+    """Install variant ``name``'s communication hook (``default``: DDP's own allreduce); the
+    hook's state when it keeps stats (GlobalQSGD)."""
     if name in ("fp16", "bf16"):
         hook = {"fp16": default_hooks.fp16_compress_hook,
                 "bf16": default_hooks.bf16_compress_hook}[name]
@@ -51,9 +53,12 @@ def register(net: DDP, name: str) -> None:
     elif name.startswith("gqsgd"):
         from hvd_gqsgd.ddp import GlobalQSGDState, global_qsgd_hook
 
-        net.register_comm_hook(GlobalQSGDState(bits=int(name[5:])), global_qsgd_hook)
+        state = GlobalQSGDState(bits=int(name[5:]))
+        net.register_comm_hook(state, global_qsgd_hook)
+        return state
     elif name != "default":
         raise ValueError(f"unknown variant {name!r}: expected one of {VARIANTS}")
+    return None
 
 
 class Task:
@@ -105,14 +110,18 @@ def run_ddp(name: str, task: Task, args) -> dict:
     # One bucket leaves nothing to race with.
     one_bucket = {"bucket_cap_mb": 2 * args.width * args.width * 2 * 4 / 2**20 + 1}
     net = DDP(model(args.width), **(one_bucket if name.startswith("powersgd") else {}))
-    register(net, name)
+    state = register(net, name)
     opt = torch.optim.SGD(net.parameters(), lr=args.lr)
     loss_start = task.held_out_loss(net)
     times = timed_steps(net, opt, task, args, dist.barrier)
     slowest = torch.tensor(statistics.median(times))
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return {"variant": name, "median_s": float(slowest), "loss_start": loss_start,
-            "loss_end": task.held_out_loss(net)}
+    row = {"variant": name, "median_s": float(slowest), "loss_start": loss_start,
+           "loss_end": task.held_out_loss(net)}
+    if state is not None:  # where rank 0's last step went (see engine.Stats)
+        row["stats"] = {k: v for k, v in state.stats.as_dict().items()
+                        if k.startswith("last_") and k.endswith("_s")}
+    return row
 
 
 def run_horovod(name: str, task: Task, args) -> dict:
