@@ -1,7 +1,24 @@
 """hvd_gqsgd: Global-QSGD gradient compression for Horovod.
 
+Entry points, all on the same core (:mod:`hvd_gqsgd.core`) and kernels::
+
+    # Horovod, PyTorch or TensorFlow 2 (GlobalQSGD(bits=8, hierarchical=True): multi-GPU nodes)
     from hvd_gqsgd import GlobalQSGD
     opt = hvd.DistributedOptimizer(opt, compression=GlobalQSGD(bits=8))
+
+    # Keras 3 model.fit under Horovod
+    from hvd_gqsgd.keras import DistributedOptimizer
+    model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                 compression=GlobalQSGD(bits=8)), loss=...)
+
+    # PyTorch DDP, no Horovod
+    from hvd_gqsgd.ddp import GlobalQSGDState, global_qsgd_hook
+    ddp_model.register_comm_hook(GlobalQSGDState(bits=8), global_qsgd_hook)
+
+    # local SGD with quantized syncs (Horovod + PyTorch)
+    from hvd_gqsgd.torch import QPRSGD
+    opt = QPRSGD(torch.optim.SGD(params, lr=0.1), params, period=4,
+                 compression=GlobalQSGD(bits=8))
 
 Importing this package imports neither torch, TensorFlow nor any ``horovod.<framework>``
 module; the adapter for a framework loads when the first tensor of that framework arrives.
