@@ -16,9 +16,9 @@ Importing this module imports torch and ``torch.distributed``, never Horovod or 
 # annotations with ``dist.GradBucket`` and ``Future[Tensor]`` objects, not strings.
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,42 +26,12 @@ import torch.distributed as dist
 
 from . import core, kernels
 from .engine import FIGURES, Stats
+from .torch_ops import TorchOps
 
 __all__ = ["GlobalQSGDState", "global_qsgd_hook"]
 
 
-class _TorchOps:
-    """:class:`hvd_gqsgd.core.TensorOps` as torch functions: the generic path of the hook
-    (CUDA tensors, or CPU with ``HVD_GQSGD_KERNELS=0``), where the fused numba kernels cannot
-    run.  No formula here: core decides what is computed."""
-
-    floor = staticmethod(torch.floor)
-    clamp = staticmethod(torch.clamp)
-    less = staticmethod(torch.lt)
-    isfinite = staticmethod(torch.isfinite)
-    where = staticmethod(torch.where)
-    bitand = staticmethod(torch.bitwise_and)
-    rshift = staticmethod(torch.bitwise_right_shift)
-
-    @staticmethod
-    def to_int64(x: torch.Tensor) -> torch.Tensor:
-        return x.long()
-
-    @staticmethod
-    def pad_reshape(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-        return torch.cat([x, x.new_zeros(rows * cols - x.numel())]).view(rows, cols)
-
-    @staticmethod
-    def column(x: torch.Tensor, k: int) -> torch.Tensor:
-        return x.select(1, k)
-
-    @staticmethod
-    def stack_columns(cols: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
-        return torch.stack(list(cols), 1).flatten()[:numel]
-
-
-# torch's own signatures are wider than the protocol's; the generic-path tests exercise them
-_OPS = cast(core.TensorOps, _TorchOps())
+_OPS = TorchOps()  # the core's primitives as torch ops (shared with hvd_gqsgd.torch)
 
 
 @dataclass
@@ -341,13 +311,8 @@ def _decoder(state: GlobalQSGDState, buffer: torch.Tensor, flat: torch.Tensor,
         summed = future.value()[0]
         scale = steps.to(flat.dtype)  # as the kernels do: lane * float(step), rounded once
         if fused:
-            lanes, out = kernels.Summed(summed.numpy(), bits), flat.numpy()
-            offset = 0
-            for i, numel in enumerate(layout.numels):
-                lo, hi = layout.first[i], layout.first[i + 1]
-                lanes.unpack_scale(offset, out[offset:offset + numel],
-                                   scale.numpy()[lo:hi] if block else scale.numpy()[lo], block)
-                offset += numel
+            kernels.Summed(summed.numpy(), bits).unpack_bucket(
+                flat.numpy(), layout.numels, layout.first, scale.numpy(), block)
         else:
             sums = core.unpack(_OPS, summed, bits, layout.total)
             torch.mul(sums.to(flat.dtype), scale[layout.segment_of(flat.device)], out=flat)

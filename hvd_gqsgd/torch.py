@@ -19,22 +19,15 @@ import torch
 from . import core, kernels
 from .compressor import GlobalQSGD
 from .qprsgd import QPRSGD
+from .torch_ops import TorchOps, host_empty
 
 __all__ = ["GlobalQSGD", "QPRSGD", "TorchBackend"]
-
-
-def _host_empty(shape: int | tuple[int, ...], dtype: type) -> torch.Tensor:
-    """An uninitialised CPU tensor whose memory NumPy allocated.  NumPy asks the kernel for
-    transparent huge pages on large buffers, torch does not: a fresh 64 MB buffer filled once
-    cost 30 ms more from torch.empty than from np.empty here (THP in "madvise" mode), which
-    was a third of the whole compress + allreduce + decompress."""
-    return torch.from_numpy(np.empty(shape, dtype=dtype))
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-class TorchBackend:
+class TorchBackend(TorchOps):
     """:class:`hvd_gqsgd.engine.Backend` for PyTorch tensors (CPU or CUDA)."""
 
     # Each tensor is rescaled with its own probe: a torch bucket may hold tensors that
@@ -46,40 +39,6 @@ class TorchBackend:
         self._generators: dict[torch.device, torch.Generator] = {}  # generic path, per device
         self._keys = core.NoiseKeys(seed)  # fused path: counter-based noise, keyed per bucket
         self._probes: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
-
-    # --- core.TensorOps
-    def floor(self, x: Any) -> Any:
-        return torch.floor(x)
-
-    def clamp(self, x: Any, low: float, high: float) -> Any:
-        return torch.clamp(x, low, high)
-
-    def less(self, a: Any, b: Any) -> Any:
-        return a < b
-
-    def to_int64(self, x: Any) -> Any:
-        return x.to(torch.int64)
-
-    def pad_reshape(self, x: Any, rows: int, cols: int) -> Any:
-        return torch.nn.functional.pad(x, (0, rows * cols - x.numel())).view(rows, cols)
-
-    def column(self, x: Any, k: int) -> Any:
-        return x[:, k]
-
-    def stack_columns(self, cols: Sequence[Any], numel: int) -> Any:
-        return torch.stack(list(cols), dim=1).reshape(-1)[:numel]
-
-    def isfinite(self, x: Any) -> Any:
-        return torch.isfinite(x)
-
-    def where(self, cond: Any, a: Any, b: Any) -> Any:
-        return torch.where(cond, a, b)
-
-    def bitand(self, x: Any, mask: int) -> Any:
-        return torch.bitwise_and(x, mask)
-
-    def rshift(self, x: Any, shift: int) -> Any:
-        return torch.bitwise_right_shift(x, shift)
 
     # --- tensors
     def is_compressible(self, t: Any) -> bool:
@@ -142,7 +101,7 @@ class TorchBackend:
     def encode(self, flat: Any, mult: Any, counts: Sequence[int], n_levels: int, bits: int,
                rank: int) -> Any:
         if self._fused(flat):
-            words = _host_empty(core.packed_words(flat.numel(), bits), np.int64)
+            words = host_empty(core.packed_words(flat.numel(), bits), np.int64)
             kernels.quantize_pack(flat.numpy(), np.asarray(counts), mult.numpy(), n_levels, bits,
                                   self._keys.next(rank), words.numpy())
             return words
@@ -161,7 +120,7 @@ class TorchBackend:
         numel = like.numel()
         if isinstance(state, kernels.Summed):
             # allocated in its final shape: no reshape per tensor on the way out
-            out = _host_empty(tuple(like.shape),
+            out = host_empty(tuple(like.shape),
                               np.float64 if compute == torch.float64 else np.float32)
             state.unpack_scale(offset, out.numpy().reshape(-1), scale.numpy(), block)
             return out.to(like.dtype)
@@ -229,6 +188,6 @@ class TorchBackend:
 
     def concat_words(self, words: Sequence[Any]) -> Any:
         if words[0].device.type == "cpu":
-            out = _host_empty(sum(w.numel() for w in words), np.int64)
+            out = host_empty(sum(w.numel() for w in words), np.int64)
             return torch.cat(list(words), out=out)
         return torch.cat(list(words))
