@@ -165,7 +165,10 @@ class GlobalQSGD:
                 f"supports tensors of {sorted(_ADAPTERS)}"
             )
         module, cls = _ADAPTERS[framework]
-        backend = getattr(importlib.import_module(module), cls)(self.settings.seed)
+        adapter = importlib.import_module(module)
+        if hasattr(adapter, "group_gradients"):  # TF: too late to group tapes made until now
+            adapter.group_gradients(late=True)
+        backend = getattr(adapter, cls)(self.settings.seed)
         with self._lock:
             engine = self._engines.setdefault(
                 framework, Engine(backend, self.settings, self.process_set, self._uid))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -338,6 +339,17 @@ class Summed:
         if lane:
             _run(_to_lanes, words.size * (64 // bits), words, _flip(bits), _offset(bits))
             self.lanes = words.view(lane)
+
+    def unpack_bucket(self, out: np.ndarray, numels: Sequence[int], first: Sequence[int],
+                      scales: np.ndarray, block: int) -> None:
+        """Every tensor of the bucket into the flat ``out``: tensor ``i`` holds the next
+        ``numels[i]`` elements and its scale segments start at ``first[i]``
+        (:func:`hvd_gqsgd.core.segments`); ``scales`` has one entry per segment."""
+        offset = 0
+        for numel, lo in zip(numels, first):
+            mine = scales[lo:lo + -(-numel // block)] if block else scales[lo]
+            self.unpack_scale(offset, out[offset:offset + numel], mine, block)
+            offset += numel
 
     def unpack_scale(self, start: int, out: np.ndarray, scales: np.ndarray | float,
                      block: int = 0) -> None:

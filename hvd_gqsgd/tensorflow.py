@@ -103,7 +103,6 @@ class TensorFlowBackend:
 
     def __init__(self, seed: int | None) -> None:
         self._keys = core.NoiseKeys(seed)  # one key per bucket, drawn when the op runs
-        group_gradients(late=True)
 
     # --- core.TensorOps
     def floor(self, x: Any) -> Any:
@@ -346,6 +345,7 @@ class _Words:
         """The whole bucket, flat, in one host call: the probe's check and factor, then each
         tensor's lane sums times its segments' steps times the factor."""
         out_dtype, total = compute.as_numpy_dtype, sum(numel for numel, _ in layout)
+        numels, firsts = [numel for numel, _ in layout], [first for _, first in layout]
 
         def run(words: np.ndarray, step: np.ndarray, probe: np.ndarray) -> np.ndarray:
             scales = step * core.check_probe(probe.tolist(), world_size)
@@ -354,11 +354,8 @@ class _Words:
             # quarter of the gradient; an eager tensor's view is read-only and is copied.
             summed = kernels.Summed(words if words.flags.writeable else np.array(words),
                                     self.bits)
-            out, offset = np.empty(total, out_dtype), 0
-            for numel, first in layout:
-                mine = scales[first:first + -(-numel // block)] if block else scales[first]
-                summed.unpack_scale(offset, out[offset:offset + numel], mine, block)
-                offset += numel
+            out = np.empty(total, out_dtype)
+            summed.unpack_bucket(out, numels, firsts, scales, block)
             return out
 
         return _host(run, [self.words, steps, reduced_probe], compute, [total])

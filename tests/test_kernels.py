@@ -163,3 +163,18 @@ def test_threaded_kernels_match_generic_path():
     out = np.empty(flat.size, dtype=np.float32)
     kernels.Summed(words.copy(), bits).unpack_scale(0, out, 1.0)
     np.testing.assert_array_equal(out, core.unpack(OPS, words, bits, flat.size))
+
+
+@pytest.mark.parametrize("block", [0, 5, 64])
+def test_unpack_bucket_gives_each_tensor_its_own_segments(block):
+    """A bucket of tensors (sizes that start and end mid-word) decoded into one flat output:
+    tensor i's elements take the scales of its own segments (core.segments)."""
+    bits, numels = 8, [13, 1, 200, 7]
+    counts, first = core.segments(numels, block)
+    codes = np.random.default_rng(block).integers(-63, 64, sum(numels))
+    words = core.pack(OPS, codes, bits)
+    scales = np.random.default_rng(1).uniform(0.5, 2.0, len(counts))
+    out = np.empty(sum(numels), np.float32)
+    kernels.Summed(words.copy(), bits).unpack_bucket(out, numels, first, scales, block)
+    want = codes * np.repeat(scales.astype(np.float32), counts).astype(np.float64)
+    np.testing.assert_array_equal(out, want.astype(np.float32))
