@@ -9,14 +9,13 @@ slowest rank.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
 import horovod.torch as hvd
 import torch
-from bench_common import compressor, hvd_size_from_env
+from bench_common import allreduce_args, compressor, hvd_size_from_env
 
 
 def timed(fn, repeats: int, name: str) -> float:
@@ -32,11 +31,7 @@ def timed(fn, repeats: int, name: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--mb", type=float, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--compressors", default="none,fp16,gqsgd8")
-    args = parser.parse_args()
+    args = allreduce_args()
     alone = [hvd.ProcessSet([r]) for r in range(hvd_size_from_env())]
     hvd.init(process_sets=alone)
     torch.set_num_threads(1)

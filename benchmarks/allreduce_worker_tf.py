@@ -9,14 +9,13 @@ measurement, named ``tf_<what>``: the median over repeats of the slowest rank.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
-from bench_common import compressor, hvd_size_from_env
+from bench_common import allreduce_args, compressor, hvd_size_from_env
 
 
 def reducer(x: tf.Tensor, comp, name: str, process_set=None):
@@ -44,11 +43,7 @@ def timed(fn, repeats: int, name: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--mb", type=float, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--compressors", default="none,fp16,gqsgd8")
-    args = parser.parse_args()
+    args = allreduce_args()
     alone = [hvd.ProcessSet([r]) for r in range(hvd_size_from_env())]
     hvd.init(process_sets=alone)
     tf.random.set_seed(hvd.rank())

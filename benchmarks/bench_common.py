@@ -7,6 +7,7 @@ import ``horovod.torch`` (NOTES: the import-order trap), so each worker passes i
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from typing import Any
@@ -32,3 +33,22 @@ def hvd_size_from_env() -> int:
         if var in os.environ:
             return int(os.environ[var])
     raise RuntimeError("run under mpirun or horovodrun: no world size in the environment")
+
+
+def allreduce_args() -> argparse.Namespace:
+    """Command line of the allreduce workers (allreduce_worker[_tf].py)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mb", type=float, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--compressors", default="none,fp16,gqsgd8")
+    return parser.parse_args()
+
+
+def train_args() -> argparse.Namespace:
+    """Command line of the training workers (train_worker[_tf].py)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--width", type=int, default=2048)  # 2 x 2048 x 4096 ~ 64 MB fp32
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--compressors", default="none,fp16,gqsgd8")
+    return parser.parse_args()

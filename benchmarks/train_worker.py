@@ -10,14 +10,13 @@ lower that loss by about 5%, so a compressor that broke training would show.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
 import horovod.torch as hvd
 import torch
-from bench_common import compressor
+from bench_common import compressor, train_args
 
 
 def model(width: int) -> torch.nn.Module:
@@ -64,12 +63,7 @@ def run(name: str, width: int, batch: int, steps: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--width", type=int, default=2048)  # 2 x 2048 x 4096 ~ 64 MB fp32
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--compressors", default="none,fp16,gqsgd8")
-    args = parser.parse_args()
+    args = train_args()
     hvd.init()
     torch.set_num_threads(1)
     for name in args.compressors.split(","):

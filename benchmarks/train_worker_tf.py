@@ -9,14 +9,13 @@ after the steps (all compressors start from the same weights and see the same da
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
-from bench_common import compressor
+from bench_common import compressor, train_args
 
 
 def mlp(width: int) -> list[tf.Variable]:
@@ -70,12 +69,7 @@ def run(name: str, width: int, batch: int, steps: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--width", type=int, default=2048)  # 2 x 2048 x 4096 ~ 64 MB fp32
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--compressors", default="none,fp16,gqsgd8")
-    args = parser.parse_args()
+    args = train_args()
     hvd.init()
     for name in args.compressors.split(","):
         row = run(name, args.width, args.batch, args.steps)
