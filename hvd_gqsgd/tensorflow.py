@@ -239,7 +239,7 @@ class TensorFlowBackend:
 
     def decoder(self, words: Any, bits: int, total: int) -> Any:
         if _fused(words):
-            return _Words(words, bits)  # decoded per tensor, from its own words (see decode)
+            return _Words(words, bits)  # decoded by rescale_bucket (or decode: QSGDAllgather)
         return core.unpack(self, words, bits, total)
 
     def decode(self, state: Any, offset: int, like: Any, scale: Any, block: int) -> Any:
@@ -320,9 +320,9 @@ def _host(fn: Callable[..., Any], inputs: list[Any], dtype: Any, shape: list[int
 
 
 class _Words:
-    """A bucket's summed words for the fused decode.  Each tensor decodes from a copy of just
-    its own words (the kernels rewrite words in place, and a graph's tensors are read-only),
-    so a bucket is read once in all, whichever tensors its chains decode first."""
+    """A bucket's summed words for the fused decode: :meth:`rescale` decodes the whole
+    bucket in one host call (the engine's path); :meth:`decode` one tensor from a copy of just
+    its own words (``QSGDAllgather``, which decodes each rank's slice on its own)."""
 
     def __init__(self, words: Any, bits: int) -> None:
         self.words, self.bits = words, bits
