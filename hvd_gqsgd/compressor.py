@@ -98,6 +98,11 @@ class GlobalQSGD:
           (true for the same model and script).  A layout mismatch in size or dtype raises.
         * **World size.** ``L`` is recomputed at every batch from the current process-set
           size; if ``bits`` is too small for it, ``ValueError`` says which ``bits`` works.
+        * **TensorFlow.** Constructed with ``horovod.tensorflow`` already imported, it makes
+          Horovod's ``DistributedGradientTape`` and legacy Keras ``DistributedOptimizer``
+          reduce all gradients in one grouped call when they are given a ``GlobalQSGD``
+          (:func:`hvd_gqsgd.tensorflow.group_gradients`: one round per step instead of one
+          per gradient; results are the same).  Constructed earlier, it warns once.
         * Non-float and empty tensors pass through unchanged (Horovod reduces them as usual).
           NaN/Inf on any rank gives NaN on every rank for its whole scale block (the whole
           tensor with ``scale_block=0`` or below 1024 elements), so AMP's loss scaler still
