@@ -1,7 +1,9 @@
-"""Convergence sweep: `make convergence` (28 minutes on this project's 2-core machine, shared).
+"""Convergence sweep: `make convergence` (about an hour on this project's 2-core machine, shared).
 
 Trains every experiment of EXPERIMENTS at every world size of WORLD_SIZES with every
-compressor of VARIANTS and every seed of SEEDS, then writes
+compressor of VARIANTS, plus QPRSGD's local-SGD variants of LOCAL_SGD_VARIANTS where they can
+run (:func:`variants_for`: PyTorch experiments only, gossip at 3 ranks or more), and every seed
+of SEEDS, then writes
 
 * docs/CONVERGENCE.md: final metrics (mean ± std over seeds, and the paired difference to
   fp32), whether the 8-bit goals are met, the 4-bit numbers, and a guide to choosing ``bits``;
@@ -30,7 +32,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT)]
-from _common import group_runs, mean_std, parse_variants, plot_curves  # noqa: E402
+from _common import (  # noqa: E402
+    group_runs,
+    is_local_sgd,
+    mean_std,
+    parse_variant,
+    parse_variants,
+    plot_curves,
+)
 
 from hvd_gqsgd import core  # noqa: E402
 
@@ -46,6 +55,17 @@ VARIANTS = [
     "gq4:scale_block=0",
     "gq4:l2",
 ]
+# QPRSGD (issue 13): local SGD that syncs GlobalQSGD(8) model differences every K steps, by
+# ring allreduce or by gossip between ring neighbours.  PyTorch only; see variants_for().
+LOCAL_SGD_VARIANTS = [
+    "qprsgd8:k=4",
+    "qprsgd8:k=8",
+    "qprsgd8:k=4:gossip",
+    "qprsgd8:k=8:gossip",
+]
+# hvd_gqsgd.qprsgd.GOSSIP_MIN_RANKS (a test checks they agree): importing that module here
+# would import torch and horovod.torch into the driver.
+GOSSIP_MIN_RANKS = 3
 SEEDS = (0, 1, 2)
 WORLD_SIZES = (2, 4)
 GLOBAL_BATCH_DIGITS = 128  # the same global batch (so the same steps) at every world size
@@ -62,6 +82,7 @@ class Experiment:
     log_y: bool  # plot losses on a log scale
     args: Callable[[int], list[str]]  # world size -> script arguments
     quick: list[str]  # appended to args(n) under --quick: a few steps only
+    local_sgd: bool = True  # the script can run QPRSGD variants (PyTorch scripts)
 
 
 EXPERIMENTS = [
@@ -72,7 +93,7 @@ EXPERIMENTS = [
     Experiment("digits_tf", "tf_digits.py", "Digits MLP (TensorFlow 2, Keras 3)", "test_acc",
                "test accuracy", "test_loss", True,
                lambda n: ["--epochs", "8", "--batch", str(GLOBAL_BATCH_DIGITS // n)],
-               ["--epochs", "2"]),
+               ["--epochs", "2"], local_sgd=False),
     Experiment("char_lm", "char_lm.py", "Character-level LSTM language model (PyTorch)",
                "val_loss", "validation loss (nats/char)", "val_loss", False,
                lambda n: ["--steps", "200", "--eval-every", "20"],
@@ -88,10 +109,29 @@ LOSS_GOAL_PCT = 2.0  # char-LM: mean final validation loss at most this % above 
 # Running
 
 
+def not_run_reason(exp: Experiment, n: int, spec: str) -> str | None:
+    """Why ``spec`` is left out of ``exp`` at ``n`` ranks, or None when it runs."""
+    variant = parse_variant(spec)
+    if not is_local_sgd(variant):
+        return None
+    if not exp.local_sgd:
+        return "QPRSGD is PyTorch only"
+    if variant.local["topology"] == "gossip" and n < GOSSIP_MIN_RANKS:
+        return f"gossip needs a ring of ≥ {GOSSIP_MIN_RANKS} ranks"
+    return None
+
+
+def variants_for(exp: Experiment, n: int, variants: list[str]) -> list[str]:
+    """The specs of ``variants`` that one launch of ``exp`` at ``n`` ranks runs, in order."""
+    return [v for v in variants if not_run_reason(exp, n, v) is None]
+
+
 def launch_command(exp: Experiment, n: int, variants: list[str], seeds: list[int], out: Path,
                    quick: bool) -> tuple[list[str], str]:
-    """The horovodrun command of one launch, and how the docs show it."""
-    script = [*(exp.quick if quick else exp.args(n)), "--variants", ",".join(variants),
+    """The horovodrun command of one launch, and how the docs show it.  ``variants`` is the
+    whole sweep's list; the launch runs those of :func:`variants_for`."""
+    script = [*(exp.quick if quick else exp.args(n)),
+              "--variants", ",".join(variants_for(exp, n, variants)),
               "--seeds", ",".join(map(str, seeds))]
     hosts = ["--gloo", "-np", str(n), "-H", f"localhost:{n}"]
     cmd = [str(Path(sys.executable).parent / "horovodrun"), *hosts, sys.executable,
@@ -141,11 +181,13 @@ def run_launch(cmd: list[str], log: Path, timeout_s: float) -> float:
 
 
 def levels_text(spec: str, n: int) -> str:
-    bits = parse_variants([spec])[0].bits
-    if bits is None:
+    variant = parse_variant(spec)
+    if variant.bits is None:
         return "—"
+    # gossip codes are decoded one message at a time, never summed: the levels of one rank
+    summed = variant.local.get("topology", "allreduce") == "allreduce"
     try:
-        return str(core.levels(bits, n))
+        return str(core.levels(variant.bits, n if summed else 1))
     except ValueError:
         return "0 (error)"
 
@@ -285,11 +327,15 @@ def fmt_delta(results: dict, exp_name: str, n: int, spec: str) -> str:
 
 
 def measured(results: dict, spec: str) -> str:
-    """``spec``'s paired differences to fp32, every experiment and world size, in one line."""
-    return "; ".join(
-        f"{exp.name} " + ", ".join(f"n={n}: {fmt_delta(results, exp.name, n, spec)}"
-                                   for n in WORLD_SIZES)
-        for exp in EXPERIMENTS if exp.name in results)
+    """``spec``'s paired differences to fp32, every experiment and world size it runs at, in
+    one line (cells that :func:`not_run_reason` leaves out are not listed)."""
+    cells = []
+    for exp in EXPERIMENTS:
+        sizes = [n for n in WORLD_SIZES if not_run_reason(exp, n, spec) is None]
+        if exp.name in results and sizes:
+            cells.append(f"{exp.name} " + ", ".join(
+                f"n={n}: {fmt_delta(results, exp.name, n, spec)}" for n in sizes))
+    return "; ".join(cells)
 
 
 def verdict(results: dict, spec: str) -> str:
@@ -425,8 +471,54 @@ def run_lines(results: dict, timings: dict, out: Path) -> list[str]:
         "savings.", ""]
 
 
+def swept_variants(results: dict) -> list[str]:
+    """Every spec some launch ran, in the order of the launches' ``--variants``."""
+    specs = [v for data in results.values() for payload in data.values()
+             for v in payload["settings"]["variants"].split(",")]
+    return list(dict.fromkeys(specs))
+
+
+def left_out_lines(exp: Experiment, results: dict, swept: list[str]) -> list[str]:
+    """One line per reason a swept spec has no row in ``exp``'s table."""
+    reasons: dict[str, list[str]] = {}
+    for spec in swept:
+        for n in sorted(results[exp.name]):
+            why = not_run_reason(exp, n, spec)
+            if why is not None:
+                reasons.setdefault(why, []).append(f"`{spec}` at n={n}")
+    return [f"Not run, {why}: {', '.join(cells)}." for why, cells in reasons.items()] + (
+        [""] if reasons else [])
+
+
+def local_sgd_lines(results: dict, swept: list[str]) -> list[str]:
+    """The QPRSGD rows in words: what they are, what they measured, and against what."""
+    specs = [v for v in swept if is_local_sgd(parse_variant(v))]
+    return [
+        "`qprsgd8:k=K` is `hvd_gqsgd.torch.QPRSGD`: every rank takes K local steps with the "
+        "experiment's own optimizer (its momentum or Adam state stays local), then the ranks "
+        "synchronise GlobalQSGD(8)-quantized model differences, by ring allreduce or "
+        "(`:gossip`) with their two ring neighbours only.  A sync's bytes are spread over the "
+        "steps, so `bytes vs fp32` is per step: about 4K times fewer than fp32 for allreduce, "
+        "2K for gossip (one message to each neighbour).  Runs are the PyTorch experiments "
+        f"only (QPRSGD is PyTorch only) and gossip only at n ≥ {GOSSIP_MIN_RANKS} (a ring of "
+        "2 has one neighbour; allreduce does that job).  Each run also syncs at every log "
+        "point that is not a sync step, so that the evaluated model is one the ranks share "
+        "(digits logs once an epoch, the char-LM every `--eval-every` steps): a few more "
+        "syncs than one every K steps, counted in the bytes.",
+        "",
+        "These runs take the same steps, so see the same samples, as fp32.  Per sample, local "
+        "SGD is expected to do worse than synchronous SGD: the 8-bit tolerances of "
+        "GlobalQSGD below are a yardstick here, not a goal.  Time to accuracy on slow links, "
+        "where local SGD pays, is in [LOCAL_SGD.md](LOCAL_SGD.md).",
+        "",
+        *(f"- **{parse_variant(spec).label}** (`{spec}`): {measured(results, spec)}: "
+          f"{verdict(results, spec)}." for spec in specs),
+    ]
+
+
 def render(results: dict, timings: dict, out: Path) -> str:
     first = next(iter(next(iter(results.values())).values()))["settings"]
+    swept = swept_variants(results)
     out_lines = [
         "# Convergence on real data",
         "",
@@ -436,9 +528,10 @@ def render(results: dict, timings: dict, out: Path) -> str:
         "make convergence        # = .venv/bin/python benchmarks/convergence.py",
         "```",
         "",
-        "Compressors: " + ", ".join(f"`{v}`" for v in first["variants"].split(",")) + " "
+        "Compressors: " + ", ".join(f"`{v}`" for v in swept) + " "
         "(specs of `examples/_common.py`: `gqB` is `GlobalQSGD(bits=B)`, `:l2` its L2 norm; "
-        "`none` is fp32, `fp16` is `hvd.Compression.fp16`), seeds "
+        "`none` is fp32, `fp16` is `hvd.Compression.fp16`; `qprsgdB:k=K[:gossip]` is local "
+        "SGD, QPRSGD, see [Local SGD](#local-sgd-qprsgd)), seeds "
         f"{first['seeds'].replace(',', ', ')}, at "
         f"{' and '.join(map(str, sorted({n for d in results.values() for n in d})))} ranks "
         "(horovodrun --gloo on one machine).  Within a seed every compressor starts from the "
@@ -462,9 +555,12 @@ def render(results: dict, timings: dict, out: Path) -> str:
     for exp in EXPERIMENTS:
         if exp.name in results:
             out_lines += [f"## {exp.title}", "", *results_table(exp, results[exp.name]), "",
+                          *left_out_lines(exp, results, swept),
                           f"![{exp.title} loss curves](convergence_{exp.name}.png)", ""]
-    out_lines += ["## Choosing `bits`", "", *bits_guide(results), "",
-                  "## How this was run", "", *run_lines(results, timings, out)]
+    out_lines += ["## Choosing `bits`", "", *bits_guide(results), ""]
+    if any(is_local_sgd(parse_variant(v)) for v in swept):
+        out_lines += ["## Local SGD (QPRSGD)", "", *local_sgd_lines(results, swept), ""]
+    out_lines += ["## How this was run", "", *run_lines(results, timings, out)]
     return "\n".join(out_lines)
 
 
@@ -504,7 +600,7 @@ def main() -> None:
     docs = args.docs or (out if args.quick else ROOT / "docs")
     out.mkdir(parents=True, exist_ok=True)
     docs.mkdir(parents=True, exist_ok=True)
-    variants = VARIANTS + [v for v in args.extra_variants.split(",") if v]
+    variants = VARIANTS + LOCAL_SGD_VARIANTS + [v for v in args.extra_variants.split(",") if v]
     parse_variants(variants)  # a typo fails now, not after the first launch
     seeds = [0] if args.quick else list(SEEDS)
     timings_file = out / "timings.json"
@@ -514,9 +610,12 @@ def main() -> None:
         if exp.name not in args.experiments.split(","):
             continue
         for n in WORLD_SIZES:
+            if not variants_for(exp, n, variants):
+                continue
             cmd, shown = launch_command(exp, n, variants, seeds, out, args.quick)
             print(f"[{time.perf_counter() - start:5.0f} s] {exp.name}, {n} ranks: "
-                  f"{len(variants)} compressors x {len(seeds)} seeds", flush=True)
+                  f"{len(variants_for(exp, n, variants))} compressors x {len(seeds)} seeds",
+                  flush=True)
             load, code = os.getloadavg()[0], code_version()
             wall = run_launch(cmd, out / f"{exp.name}_n{n}.log", args.timeout)
             timings[f"{exp.name}, {n} ranks"] = {

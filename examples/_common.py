@@ -302,7 +302,10 @@ def plot_curves(ax: Any, runs: Sequence[dict], metric: str) -> None:
         steps = [p["step"] for p in group[0]["curve"] if p.get(metric) is not None]
         mean = [mean_std(next(p[metric] for p in run["curve"] if p["step"] == step)
                          for run in group)[0] for step in steps]
-        ax.plot(steps, mean, label=group[0]["label"], **_STYLES.get(group[0]["spec"], {}))
+        spec = group[0]["spec"]
+        # local SGD dash-dotted: a sweep has more lines than the colour cycle has colours
+        style = _STYLES.get(spec, {"linestyle": "-."} if spec.startswith(_LOCAL_SGD) else {})
+        ax.plot(steps, mean, label=group[0]["label"], **style)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
 

@@ -175,3 +175,108 @@ def test_sweep_verdicts_use_paired_differences():
     assert convergence.paired_delta(lm, [fake_run("gq8", 0, val_loss=2.03)], lm_base)[0] == \
         pytest.approx(1.5)
     assert convergence.goal_met(lm, 1.5) and not convergence.goal_met(lm, 2.5)
+
+
+# --- the sweep's QPRSGD wiring (issue 13): which launch runs which variant ------------------
+
+QPRSGD_ALLREDUCE = ["qprsgd8:k=4", "qprsgd8:k=8"]
+QPRSGD_GOSSIP = ["qprsgd8:k=4:gossip", "qprsgd8:k=8:gossip"]
+
+
+def launched(exp_name: str, n: int) -> tuple[list[str], str]:
+    exp = next(e for e in convergence.EXPERIMENTS if e.name == exp_name)
+    cmd, shown = convergence.launch_command(
+        exp, n, convergence.VARIANTS + convergence.LOCAL_SGD_VARIANTS, [0, 1, 2],
+        Path("/nonexistent"), quick=False)
+    return cmd[cmd.index("--variants") + 1].split(","), shown
+
+
+@pytest.mark.parametrize("exp_name, n, local", [
+    ("digits_torch", 2, QPRSGD_ALLREDUCE),  # a ring of 2 has one neighbour: no gossip
+    ("digits_torch", 4, QPRSGD_ALLREDUCE + QPRSGD_GOSSIP),
+    ("char_lm", 2, QPRSGD_ALLREDUCE),
+    ("char_lm", 4, QPRSGD_ALLREDUCE + QPRSGD_GOSSIP),
+    ("digits_tf", 2, []),  # QPRSGD is PyTorch only
+    ("digits_tf", 4, []),
+])
+def test_each_launch_runs_exactly_its_variants(exp_name, n, local):
+    specs, shown = launched(exp_name, n)
+    assert specs == ["none", "fp16", "gq16", "gq8", "gq8:scale_block=0", "gq4",
+                     "gq4:scale_block=0", "gq4:l2", *local]
+    assert f"-np {n} " in shown and f"--variants {','.join(specs)} " in shown
+
+
+def test_sweep_has_issue_13s_qprsgd_settings_and_runs_gossip_somewhere():
+    wanted = {(8, k, topo) for k in (4, 8) for topo in ("allreduce", "gossip")}
+    got = {(v.bits, v.local["period"], v.local["topology"])
+           for v in _common.parse_variants(convergence.LOCAL_SGD_VARIANTS)}
+    assert got == wanted
+    assert any(n >= convergence.GOSSIP_MIN_RANKS for n in convergence.WORLD_SIZES)
+
+
+def test_gossip_rank_minimum_matches_qprsgd():
+    # read, not imported: importing hvd_gqsgd.qprsgd would import horovod.torch here
+    import ast
+
+    tree = ast.parse((ROOT / "hvd_gqsgd" / "qprsgd.py").read_text())
+    values = [node.value.value for node in tree.body if isinstance(node, ast.Assign)
+              and [getattr(t, "id", None) for t in node.targets] == ["GOSSIP_MIN_RANKS"]]
+    assert values == [convergence.GOSSIP_MIN_RANKS]
+
+
+def test_gossip_levels_are_one_ranks_and_allreduce_levels_are_summed():
+    assert convergence.levels_text("qprsgd8:k=4", 4) == "31" == convergence.levels_text("gq8", 4)
+    assert convergence.levels_text("qprsgd8:k=8:gossip", 4) == "127"
+    assert convergence.levels_text("none", 4) == "—"
+
+
+def fake_payload(exp_name: str, n: int, deltas: dict[str, float]) -> dict:
+    """One launch's JSON: fp32 at 97% accuracy / 2.0 nats, every spec ``delta`` from it
+    (points / percent), the same on each of 2 seeds."""
+    digits = exp_name.startswith("digits")
+    runs = []
+    for spec, d in {"none": 0.0, **deltas}.items():
+        for seed in (0, 1):
+            value = 0.97 + d / 100 if digits else 2.0 * (1 + d / 100)
+            key = "test_acc" if digits else "val_loss"
+            other = "test_loss" if digits else "train_loss"
+            runs.append({"spec": spec, "label": _common.parse_variant(spec).label,
+                         "seed": seed, "steps": 88, "bytes_vs_fp32": 1.0, "wall_s": 1.0,
+                         key: value, other: 1.0,
+                         "curve": [{"step": 0, "train_loss": None, "test_loss": 2.3,
+                                    "val_loss": 4.6},
+                                   {"step": 88, "train_loss": 1.0, "test_loss": 0.1,
+                                    "val_loss": value}]})
+    settings = {"variants": ",".join(["none", *deltas]), "seeds": "0,1", "lr": 0.1,
+                "epochs": 8, "layers": 2, "clip": 1.0, "steps": 200, "global_batch": 32,
+                "seq": 64, "val_chars": 16384}
+    return {"settings": settings, "runs": runs, "n_params": 1000, "unigram_entropy": 3.25}
+
+
+def test_report_places_qprsgd_rows_and_keeps_goals_about_gq8(tmp_path):
+    results = {
+        "digits_torch": {2: fake_payload("digits_torch", 2, {"gq8": -0.1, "qprsgd8:k=4": -1.0}),
+                         4: fake_payload("digits_torch", 4, {"gq8": -0.2, "qprsgd8:k=4": -0.4,
+                                                             "qprsgd8:k=4:gossip": -2.0})},
+        "digits_tf": {2: fake_payload("digits_tf", 2, {"gq8": 0.0}),
+                      4: fake_payload("digits_tf", 4, {"gq8": 0.0})},
+        "char_lm": {2: fake_payload("char_lm", 2, {"gq8": 0.5, "qprsgd8:k=4": 1.0}),
+                    4: fake_payload("char_lm", 4, {"gq8": 0.5, "qprsgd8:k=4": 1.5,
+                                                   "qprsgd8:k=4:gossip": 3.0})},
+    }
+    # gossip: only where it ran (n=4, PyTorch); digits -2 points and char-LM +3% are outside
+    assert convergence.measured(results, "qprsgd8:k=4:gossip") == \
+        "digits_torch n=4: -2.00 points; char_lm n=4: +3.00%"
+    assert convergence.verdict(results, "qprsgd8:k=4:gossip").startswith("outside")
+    assert convergence.verdict(results, "qprsgd8:k=4:gossip").endswith("at n=4")
+    assert convergence.verdict(results, "qprsgd8:k=4").endswith(
+        "within the 8-bit tolerances (0.5 points, 2%) at n=4, outside at n=2")
+    page = convergence.render(results, {}, tmp_path)
+    assert "## Local SGD (QPRSGD)" in page
+    assert "Not run, QPRSGD is PyTorch only: `qprsgd8:k=4` at n=2, `qprsgd8:k=4` at n=4, " \
+           "`qprsgd8:k=4:gossip` at n=2, `qprsgd8:k=4:gossip` at n=4." in page
+    assert "Not run, gossip needs a ring of ≥ 3 ranks: `qprsgd8:k=4:gossip` at n=2." in page
+    assert page.count("Not run, gossip") == 2  # digits_torch and char_lm
+    assert "| 4 | QPRSGD(8, K=4, gossip) | 127 |" in page
+    goals = "\n".join(convergence.goal_lines(results))
+    assert "QPRSGD" not in goals and "-0.20 points: **met**" in goals
