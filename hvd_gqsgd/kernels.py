@@ -341,15 +341,35 @@ class Summed:
             self.lanes = words.view(lane)
 
     def unpack_bucket(self, out: np.ndarray, numels: Sequence[int], first: Sequence[int],
-                      scales: np.ndarray, block: int) -> None:
+                      scales: np.ndarray, block: int, start: int = 0) -> None:
         """Every tensor of the bucket into the flat ``out``: tensor ``i`` holds the next
         ``numels[i]`` elements and its scale segments start at ``first[i]``
-        (:func:`hvd_gqsgd.core.segments`); ``scales`` has one entry per segment."""
-        offset = 0
+        (:func:`hvd_gqsgd.core.segments`); ``scales`` has one entry per segment.
+
+        ``start > 0``: these words are a chunk (:func:`hvd_gqsgd.core.chunk_plan`) whose first
+        lane is bucket element ``start``, and ``out`` receives bucket elements ``start ..
+        start + out.size``.  A tensor cut by the chunk's start begins mid scale block: its
+        elements up to the next block boundary take one scale, the rest whole blocks."""
+        stop, offset = start + out.size, 0
         for numel, lo in zip(numels, first):
-            mine = scales[lo:lo + -(-numel // block)] if block else scales[lo]
-            self.unpack_scale(offset, out[offset:offset + numel], mine, block)
+            a, b = max(start, offset), min(stop, offset + numel)  # bucket elements, this tensor
+            if a < b:
+                p = a - offset  # the tensor's first element in range
+                if not block:
+                    self.unpack_scale(a - start, out[a - start:b - start], scales[lo])
+                else:
+                    head = min(b - a, -p % block)  # up to the next block boundary
+                    if head:
+                        self.unpack_scale(a - start, out[a - start:a - start + head],
+                                          scales[lo + p // block])
+                    a, p = a + head, p + head
+                    if a < b:
+                        self.unpack_scale(a - start, out[a - start:b - start],
+                                          scales[lo + p // block:lo + -(-(b - offset) // block)],
+                                          block)
             offset += numel
+            if offset >= stop:
+                break
 
     def unpack_scale(self, start: int, out: np.ndarray, scales: np.ndarray | float,
                      block: int = 0) -> None:

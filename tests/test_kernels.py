@@ -178,3 +178,28 @@ def test_unpack_bucket_gives_each_tensor_its_own_segments(block):
     kernels.Summed(words.copy(), bits).unpack_bucket(out, numels, first, scales, block)
     want = codes * np.repeat(scales.astype(np.float32), counts).astype(np.float64)
     np.testing.assert_array_equal(out, want.astype(np.float32))
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+@pytest.mark.parametrize("block", [0, 5, 64])
+@pytest.mark.parametrize("chunk_bytes", [8, 24, 40])
+def test_unpack_bucket_chunk_by_chunk_matches_whole_bucket(bits, block, chunk_bytes):
+    """Chunks (core.chunk_plan: cut at word boundaries, so mid-tensor and mid scale block)
+    decoded one at a time into their slices of the output give the whole bucket's decode."""
+    numels = [13, 1, 200, 7, 70]
+    counts, first = core.segments(numels, block)
+    top = (1 << (bits - 1)) - 1
+    codes = np.random.default_rng(bits + block).integers(-top, top + 1, sum(numels))
+    words = core.pack(OPS, codes, bits)
+    scales = np.random.default_rng(2).uniform(0.5, 2.0, len(counts))
+    want = np.empty(sum(numels), np.float32)
+    kernels.Summed(words.copy(), bits).unpack_bucket(want, numels, first, scales, block)
+    plan = core.chunk_plan(counts, bits, chunk_bytes)
+    assert len(plan) > 2
+    lanes = core.lanes_per_word(bits)
+    out = np.full(sum(numels), np.nan, np.float32)
+    for c in plan:
+        part = words[c.lo // lanes:-(-c.hi // lanes)].copy()
+        kernels.Summed(part, bits).unpack_bucket(out[c.lo:c.hi], numels, first, scales, block,
+                                                 start=c.lo)
+    np.testing.assert_array_equal(out, want)
