@@ -64,12 +64,15 @@ class GlobalQSGD:
         bucket_bytes: if > 0, quantize and send queued tensors as soon as this many input
             bytes are queued (costs one blocking scale exchange per bucket), instead of
             when the first result is needed.
-        chunk_bytes: if > 0, packed bytes per Sum allreduce (``1 << 20`` is 4 MiB of fp32
-            gradient at ``bits=8``): a larger bucket is quantized and sent chunk by chunk, so
-            Horovod's background thread puts chunk k on the wire while chunk k+1 is being
-            quantized.  Off (0) by default: on this project's 2-core machines, where
-            Open MPI's progress loop and the quantizer share the cores, chunks measured
-            slower (docs/BENCHMARKS.md).  Worth measuring where ranks have spare cores.
+        chunk_bytes: packed bytes per Sum allreduce: a larger bucket is quantized and sent
+            chunk by chunk, so Horovod's background thread puts chunk k on the wire while
+            chunk k+1 is being quantized.  ``None`` (default) lets the adapter choose:
+            TensorFlow inside ``tf.function`` on CPU sends 2 MiB chunks
+            (``core.AUTO_CHUNK_BYTES``, 16 MiB of fp32 gradient at ``bits=8``) and unpacks
+            each one as soon as it arrives; eager TensorFlow (where every Horovod op blocks
+            until done) and PyTorch (which joins the chunks before decoding) send one
+            allreduce per bucket, as chunks measured no faster there (docs/BENCHMARKS.md).
+            0 forces one allreduce per bucket; an int > 0 sets the chunk size.
         scale_block: elements per global scale (default 1024): each block of a tensor gets
             its own scale, at 8 bytes per block in the MAX exchange (0.8% more bytes at
             ``bits=8``).  Finer scales waste fewer levels where gradients are small: 1024
@@ -113,7 +116,7 @@ class GlobalQSGD:
 
     def __init__(self, bits: int = 8, norm: str = "max", seed: int | None = None,
                  process_set: Any = None, bucket_bytes: int = 0,
-                 chunk_bytes: int = core.DEFAULT_CHUNK_BYTES,
+                 chunk_bytes: int | None = core.DEFAULT_CHUNK_BYTES,
                  scale_block: int = core.DEFAULT_SCALE_BLOCK, hierarchical: bool = False
                  ) -> None:
         self.settings = core.Settings(bits=bits, norm=norm, seed=seed, bucket_bytes=bucket_bytes,

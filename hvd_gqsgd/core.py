@@ -79,9 +79,11 @@ MIN_BITS = 2
 MAX_BITS = 16
 WORD_BITS = 64
 NORMS = ("max", "l2")
-# Packed bytes per Sum allreduce of a large bucket (Settings.chunk_bytes): off by default, as
-# chunks measured slower on this project's machines (docs/BENCHMARKS.md, the @1024k rows)
-DEFAULT_CHUNK_BYTES = 0
+# Packed bytes per Sum allreduce of a large bucket (Settings.chunk_bytes).  None: the adapter
+# chooses (Backend.auto_chunk_bytes): chunks where they overlap the wire (TensorFlow graphs,
+# AUTO_CHUNK_BYTES), one allreduce per bucket elsewhere (docs/BENCHMARKS.md, the @...k rows)
+DEFAULT_CHUNK_BYTES = None
+AUTO_CHUNK_BYTES = 1 << 21
 # Elements per global scale (Settings.scale_block); see docs/CONVERGENCE.md and LOW_BITS.md
 DEFAULT_SCALE_BLOCK = 1024
 
@@ -246,7 +248,7 @@ class Settings:
             (0 = one scale per tensor).
         chunk_bytes: send a bucket's packed codes as Sum allreduces of about this many bytes
             each, so that quantizing one chunk overlaps sending the previous (0 = one
-            allreduce per bucket).
+            allreduce per bucket; None = the adapter's choice, see ``AUTO_CHUNK_BYTES``).
         hierarchical: sum in full precision inside each node and quantize only across
             nodes, so ``levels`` counts nodes, not ranks (:mod:`hvd_gqsgd.hierarchical`).
     """
@@ -255,7 +257,7 @@ class Settings:
     norm: str = "max"
     seed: int | None = None
     bucket_bytes: int = 0
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    chunk_bytes: int | None = DEFAULT_CHUNK_BYTES
     scale_block: int = DEFAULT_SCALE_BLOCK
     hierarchical: bool = False
 
@@ -277,10 +279,12 @@ class Settings:
             self.bucket_bytes < 0
         ):
             raise ValueError(f"bucket_bytes must be an int >= 0, got {self.bucket_bytes!r}")
-        if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int) or (
-            self.chunk_bytes < 0
+        if self.chunk_bytes is not None and (
+            isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int)
+            or self.chunk_bytes < 0
         ):
-            raise ValueError(f"chunk_bytes must be an int >= 0, got {self.chunk_bytes!r}")
+            raise ValueError(f"chunk_bytes must be None (automatic) or an int >= 0, got "
+                             f"{self.chunk_bytes!r}")
         if isinstance(self.scale_block, bool) or not isinstance(self.scale_block, int) or (
             self.scale_block < 0
         ):

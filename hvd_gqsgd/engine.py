@@ -62,13 +62,19 @@ class Backend(core.TensorOps, Protocol):
     def check_layout(self, reduced: Any) -> Any: ...
     def flat_concat(self, tensors: Sequence[Any]) -> Any: ...
     # quantize + pack a bucket (mult: L/s per segment); core.encode or a fused kernel
+    # after: the previous chunk's words, which a graph backend must run this encode after, so
+    # that that chunk's allreduce is launched before the next chunk is quantized
     def encode(self, flat: Any, mult: Any, counts: Sequence[int], n_levels: int, bits: int,
-               rank: int) -> Any: ...
+               rank: int, after: Any = None) -> Any: ...
+    # Settings.chunk_bytes None: packed bytes per Sum allreduce for this flat bucket (0: one)
+    def auto_chunk_bytes(self, flat: Any) -> int: ...
     def allreduce_sum_async(self, words: Any, name: str, process_set: Any) -> Any: ...  # COLL.
     def allgather_async(self, tensor: Any, name: str, process_set: Any) -> Any: ...  # COLL.
     def wait(self, handle: Any) -> Any: ...
     def concat_words(self, words: Sequence[Any]) -> Any: ...  # int64 chunks, in order
-    def decoder(self, words: Any, bits: int, total: int) -> Any: ...  # once per bucket
+    # once per bucket; a backend with rescales_buckets gets a list of the chunks' words when
+    # the bucket was sent in several, so that it can decode each chunk as it arrives
+    def decoder(self, words: Any, bits: int, total: int) -> Any: ...
     # one tensor: lane sums at [offset, offset + numel) times scale, in like's dtype and shape;
     # block > 0: scale is a vector, element i of the tensor takes scale[i // block]
     def decode(self, state: Any, offset: int, like: Any, scale: Any, block: int) -> Any: ...
@@ -244,7 +250,10 @@ class Engine:
                     with r.timing("codes_wait_s"):
                         chunks = [b.wait(h) for h in bucket.handles]
                     with r.timing("quantize_s"):
-                        words = chunks[0] if len(chunks) == 1 else b.concat_words(chunks)
+                        if len(chunks) == 1:
+                            words = chunks[0]
+                        else:  # see Backend.decoder
+                            words = chunks if b.rescales_buckets else b.concat_words(chunks)
                         bucket.decoded = b.decoder(words, self.settings.bits, bucket.total)
                     bucket.handles = []
                 with r.timing("quantize_s"):
@@ -325,12 +334,16 @@ class Engine:
         b, level, bits = self.backend, bucket.n_levels, self.settings.bits
         bucket.steps = core.step_sizes(b, scales, level)
         mult = core.multipliers(b, scales, level)
-        plan = core.chunk_plan(bucket.counts, bits, self.settings.chunk_bytes)
+        chunk_bytes = self.settings.chunk_bytes
+        if chunk_bytes is None:
+            chunk_bytes = b.auto_chunk_bytes(flat)
+        plan = core.chunk_plan(bucket.counts, bits, chunk_bytes)
+        words = None
         for i, c in enumerate(plan):
             whole = len(plan) == 1
             words = b.encode(flat if whole else flat[c.lo:c.hi],
                              mult if whole else mult[c.first:c.stop], c.counts, level, bits,
-                             bucket.rank)
+                             bucket.rank, after=words)
             bucket.handles.append(
                 b.allreduce_sum_async(words, name if whole else f"{name}{i}", pset))
 

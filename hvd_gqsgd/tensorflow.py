@@ -215,13 +215,19 @@ class TensorFlowBackend:
         return tf.concat([tf.reshape(tf.cast(t, dtype), [-1]) for t in tensors], 0)
 
     def encode(self, flat: Any, mult: Any, counts: Sequence[int], n_levels: int, bits: int,
-               rank: int) -> Any:
+               rank: int, after: Any = None) -> Any:
+        if after is not None and not tf.executing_eagerly():
+            # Chunks: without this order TF's executor runs every chunk's encode before any
+            # chunk's allreduce (all are ready at once), and Horovod fuses them all into one
+            # message sent after the last chunk is packed: no overlap at all.
+            with tf.control_dependencies([after]):
+                return self.encode(flat, mult, counts, n_levels, bits, rank)
         numel = _static_numel(flat)
         if _fused(flat):
             sizes = np.asarray(counts)
 
             def run(x: np.ndarray, m: np.ndarray) -> np.ndarray:
-                words = np.empty(core.packed_words(x.size, bits), np.int64)
+                words = _host_empty(core.packed_words(x.size, bits), np.int64)
                 kernels.quantize_pack(x, sizes, m, n_levels, bits, self._keys.next(rank), words)
                 return words
 
@@ -237,10 +243,21 @@ class TensorFlowBackend:
         seed = _host(lambda _: key(), [tf.shape(like)], tf.int64, [2])
         return tf.random.stateless_uniform(tf.shape(like), seed=seed, dtype=like.dtype)
 
+    def auto_chunk_bytes(self, flat: Any) -> int:
+        # In a graph, fused chunks pipeline: chunk k's allreduce is launched before chunk k+1
+        # is quantized (encode's ``after``) and each chunk is unpacked as it arrives
+        # (_Words.rescale).  Eagerly every Horovod op blocks until done, so chunks would only
+        # add round trips; the TF-ops (GPU) path decodes after joining the chunks.
+        if tf.executing_eagerly() or not _fused(flat):
+            return 0
+        return core.AUTO_CHUNK_BYTES
+
     def decoder(self, words: Any, bits: int, total: int) -> Any:
-        if _fused(words):
-            return _Words(words, bits)  # decoded by rescale_bucket (or decode: QSGDAllgather)
-        return core.unpack(self, words, bits, total)
+        chunks = list(words) if isinstance(words, (list, tuple)) else [words]
+        if _fused(chunks[0]):
+            # decoded by rescale_bucket (or decode: QSGDAllgather); in a graph chunk by chunk
+            return _Words(chunks, bits)
+        return core.unpack(self, self.concat_words(chunks), bits, total)
 
     def decode(self, state: Any, offset: int, like: Any, scale: Any, block: int) -> Any:
         compute = tf.float64 if like.dtype == tf.float64 else tf.float32
@@ -290,7 +307,7 @@ class TensorFlowBackend:
         return handle  # TF runs the op asynchronously; its output is the handle
 
     def concat_words(self, words: Sequence[Any]) -> Any:
-        return tf.concat(list(words), 0)
+        return words[0] if len(words) == 1 else tf.concat(list(words), 0)
 
 
 def _static_numel(t: Any) -> int:
@@ -308,6 +325,21 @@ def _fused(t: Any) -> bool:
     return "CPU" in device.upper() or not tf.config.list_logical_devices("GPU")
 
 
+_TF_ALIGN = 64  # bytes; at least EIGEN_MAX_ALIGN_BYTES on every build
+
+
+def _host_empty(size: int, dtype: Any) -> np.ndarray:
+    """An uninitialised array for a ``_host`` function to return, its data 64-byte aligned.
+
+    ``numpy_function`` hands TF an aligned result's buffer as is, but copies an unaligned one
+    into a fresh TF allocation, and NumPy aligns big arrays to only 16 bytes: for a 64 MB
+    gradient the copy cost 17 ms a step, a quarter of the whole local work."""
+    dtype = np.dtype(dtype)
+    raw = np.empty(size * dtype.itemsize + _TF_ALIGN, np.uint8)
+    skip = -raw.ctypes.data % _TF_ALIGN
+    return raw[skip:skip + size * dtype.itemsize].view(dtype)
+
+
 def _host(fn: Callable[..., Any], inputs: list[Any], dtype: Any, shape: list[int]) -> Any:
     """``fn`` on the inputs' NumPy values as a *stateless* graph op (see the module docstring
     for why); eagerly it is simply called.  A Python exception in ``fn`` surfaces as a TF
@@ -320,42 +352,78 @@ def _host(fn: Callable[..., Any], inputs: list[Any], dtype: Any, shape: list[int
 
 
 class _Words:
-    """A bucket's summed words for the fused decode: :meth:`rescale` decodes the whole
-    bucket in one host call (the engine's path); :meth:`decode` one tensor from a copy of just
-    its own words (``QSGDAllgather``, which decodes each rank's slice on its own)."""
+    """A bucket's summed words (one tensor per chunk it was sent in) for the fused decode:
+    :meth:`rescale` decodes the whole bucket (the engine's path); :meth:`decode` one tensor
+    from a copy of just its own words (``QSGDAllgather``, which decodes each rank's slice on
+    its own)."""
 
-    def __init__(self, words: Any, bits: int) -> None:
-        self.words, self.bits = words, bits
+    def __init__(self, chunks: Sequence[Any], bits: int) -> None:
+        self.chunks, self.bits = list(chunks), bits
 
     def decode(self, offset: int, numel: int, scale: Any, block: int, compute: Any) -> Any:
         lanes = core.lanes_per_word(self.bits)
         first, stop = offset // lanes, -(-(offset + numel) // lanes)
         start = offset - first * lanes  # the tensor's first lane inside its first word
         out_dtype = compute.as_numpy_dtype
+        words = self.chunks[0] if len(self.chunks) == 1 else tf.concat(self.chunks, 0)
 
         def run(words: np.ndarray, scales: np.ndarray) -> np.ndarray:
-            out = np.empty(numel, out_dtype)
+            out = _host_empty(numel, out_dtype)
             kernels.Summed(np.array(words), self.bits).unpack_scale(start, out, scales, block)
             return out
 
-        return _host(run, [self.words[first:stop], scale], compute, [numel])
+        return _host(run, [words[first:stop], scale], compute, [numel])
 
     def rescale(self, steps: Any, layout: Sequence[tuple[int, int]], block: int, compute: Any,
                 reduced_probe: Any, world_size: int) -> Any:
-        """The whole bucket, flat, in one host call: the probe's check and factor, then each
-        tensor's lane sums times its segments' steps times the factor."""
+        """The whole bucket, flat: the probe's check and factor, then each tensor's lane sums
+        times its segments' steps times the factor.
+
+        One chunk (or eagerly): one host call.  Several chunks in a graph: one host call per
+        chunk, each runs as soon as its chunk's allreduce is done and writes its slice of one
+        output buffer, so unpacking overlaps the later chunks' time on the wire."""
         out_dtype, total = compute.as_numpy_dtype, sum(numel for numel, _ in layout)
         numels, firsts = [numel for numel, _ in layout], [first for _, first in layout]
+        bits = self.bits
 
-        def run(words: np.ndarray, step: np.ndarray, probe: np.ndarray) -> np.ndarray:
-            scales = step * core.check_probe(probe.tolist(), world_size)
+        def scales_of(step: np.ndarray, probe: np.ndarray) -> np.ndarray:
+            return step * core.check_probe(probe.tolist(), world_size)
+
+        def unpack(out: np.ndarray, words: np.ndarray, scales: np.ndarray, start: int) -> None:
             # The summed words are this op's alone (the Sum allreduce's output, read by
             # nothing else), so the kernels may rewrite them in place, saving a copy of a
             # quarter of the gradient; an eager tensor's view is read-only and is copied.
-            summed = kernels.Summed(words if words.flags.writeable else np.array(words),
-                                    self.bits)
-            out = np.empty(total, out_dtype)
-            summed.unpack_bucket(out, numels, firsts, scales, block)
-            return out
+            summed = kernels.Summed(words if words.flags.writeable else np.array(words), bits)
+            summed.unpack_bucket(out, numels, firsts, scales, block, start=start)
 
-        return _host(run, [self.words, steps, reduced_probe], compute, [total])
+        if len(self.chunks) == 1 or tf.executing_eagerly():
+            words = self.chunks[0] if len(self.chunks) == 1 else tf.concat(self.chunks, 0)
+
+            def whole(words: np.ndarray, step: np.ndarray, probe: np.ndarray) -> np.ndarray:
+                out = _host_empty(total, out_dtype)
+                unpack(out, words, scales_of(step, probe), 0)
+                return out
+
+            return _host(whole, [words, steps, reduced_probe], compute, [total])
+
+        scales = _host(scales_of, [steps, reduced_probe], tf.float64, [steps.shape[0]])
+        # The buffer is allocated once the scales exist: a data input of its own, so two
+        # buckets' buffers can never be merged as equal expressions.
+        buffer = _host(lambda _: _host_empty(total, out_dtype), [scales], compute, [total])
+        lanes, start, done = core.lanes_per_word(bits), 0, []
+        for words in self.chunks:
+            stop = min(total, start + _static_numel(words) * lanes)
+
+            def one_chunk(out: np.ndarray, words: np.ndarray, scales: np.ndarray,
+                          lo: int = start, hi: int = stop) -> np.ndarray:
+                if not out.flags.writeable:  # TF hands graph-mode inputs over writeable
+                    raise RuntimeError("GlobalQSGD: TensorFlow passed the decode buffer "
+                                       "read-only; set chunk_bytes=0 and report this")
+                unpack(out[lo:hi], words, scales, lo)
+                return np.asarray(hi, np.int64)
+
+            done.append(_host(one_chunk, [buffer, words, scales], tf.int64, []))
+            start = stop
+        # Every chunk's op feeds this one as data (ops that only a control dependency waits
+        # for are pruned); it hands the filled buffer on without copying it.
+        return _host(lambda out, *_: out, [buffer, *done], compute, [total])

@@ -122,6 +122,47 @@ def test_rescale_a_bucket_of_several_tensors(path, block, monkeypatch):
         np.testing.assert_array_equal(g.numpy().reshape(-1), expected)
 
 
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("bits,block,chunk_bytes", [(8, 0, 40), (8, 25, 48), (4, 7, 16)])
+def test_rescale_a_bucket_sent_in_chunks(mode, bits, block, chunk_bytes):
+    """The words of a bucket as several chunks (core.chunk_plan cuts tensors and scale blocks):
+    in a graph each chunk is unpacked into its slice of one buffer by its own op, eagerly they
+    are joined first; both give bit for bit what the whole bucket gives."""
+    ops = _backend()
+    likes = [tf.zeros([3, 5]), tf.zeros([10, 9]), tf.zeros([70])]
+    numels = [15, 90, 70]
+    counts, first = core.segments(numels, block)
+    top = (1 << (bits - 1)) - 1
+    codes = np.random.default_rng(bits).integers(-top, top + 1, sum(numels))
+    words = core.pack(NP, codes, bits)
+    plan = core.chunk_plan(counts, bits, chunk_bytes)
+    assert len(plan) >= 3
+    lanes = core.lanes_per_word(bits)
+    chunks = [words[c.lo // lanes:-(-c.hi // lanes)] for c in plan]
+    assert sum(c.size for c in chunks) == words.size
+    steps = np.linspace(0.5, 2.0, len(counts))
+    probe = tf.constant([0.25, 0.375], tf.float64)  # factor 1/8
+
+    def rescale(parts):
+        state = ops.decoder([tf.convert_to_tensor(p) for p in parts], bits, sum(numels))
+        out = ops.rescale_bucket(state, tf.constant(steps), list(zip(numels, first)), block,
+                                 likes, probe, 2)
+        return [ops.take(out, int(np.sum(numels[:i])), like) for i, like in enumerate(likes)]
+
+    run = rescale if mode == "eager" else tf.function(rescale, autograph=False)
+    got = run(chunks)
+    if mode == "function":  # one unpack op per chunk, not one after joining them
+        graph = run.get_concrete_function(chunks).graph
+        host_ops = [op for op in graph.get_operations() if op.type == "PyFuncStateless"]
+        assert len(host_ops) == len(chunks) + 3  # scales, buffer, one per chunk, hand-over
+    want = codes * np.repeat(steps * 0.125, counts).astype(np.float32)
+    for i, (g, like) in enumerate(zip(got, likes)):
+        lo = int(np.sum(numels[:i]))
+        assert g.dtype == like.dtype and g.shape == like.shape
+        np.testing.assert_array_equal(g.numpy().reshape(-1),
+                                      want[lo:lo + numels[i]].astype(np.float32))
+
+
 @pytest.mark.parametrize("path", ["fused", "generic"])
 def test_graph_holds_no_stateful_op(path, monkeypatch):
     if path == "generic":  # the TF-ops path GPU tensors take
