@@ -19,7 +19,9 @@ from bench_common import allreduce_args, compressor, hvd_size_from_env
 
 
 def reducer(x: tf.Tensor, comp, name: str, process_set=None):
-    """A tf.function that allreduces ``x`` (as Horovod's tape does, in a graph)."""
+    """A tf.function that allreduces ``x`` (as Horovod's tape does, in a graph).  ``name``
+    becomes a TF name scope, which allows no ``@`` (as in ``gqsgd8@1024k``)."""
+    name = name.replace("@", "_at_")
     pset = process_set if process_set is not None else hvd.global_process_set
 
     @tf.function
@@ -38,7 +40,8 @@ def timed(fn, repeats: int, name: str) -> float:
         fn()
         if i:  # the first run traces and warms up (numba compilation, response cache)
             times.append(time.perf_counter() - start)
-    slowest = hvd.allreduce(tf.constant(statistics.median(times)), op=hvd.Max, name=f"t.{name}")
+    slowest = hvd.allreduce(tf.constant(statistics.median(times)), op=hvd.Max,
+                            name=f"t.{name}".replace("@", "_at_"))
     return float(slowest)
 
 
