@@ -307,7 +307,14 @@ def blocked(rank: int, n: int) -> dict:
           for numel in (70, 45)]
     comp = GlobalQSGD(bits=8, scale_block=16, chunk_bytes=16)
     exact = [_np(t) for t in hvd.grouped_allreduce(xs, op=hvd.Sum, compression=comp)]
-    return {"exact": exact, "stats": comp.stats.as_dict()}
+    piped = GlobalQSGD(bits=8, scale_block=16, chunk_bytes=16)
+
+    @tf.function
+    def summed(ts):  # in a graph each chunk is unpacked on its own (tensorflow._Words)
+        return hvd.grouped_allreduce(ts, op=hvd.Sum, compression=piped)
+
+    graph = [_np(t) for t in summed(xs)]
+    return {"exact": exact, "graph": graph, "stats": comp.stats.as_dict()}
 
 
 CHUNKED_NUMELS = (70, 200, 45)
