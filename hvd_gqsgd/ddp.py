@@ -92,6 +92,11 @@ class GlobalQSGDState:
             neither read nor advanced.
         scale_block: elements per global scale inside each gradient tensor (0: one scale per
             tensor).  1024 costs 8 bytes of MAX all_reduce per 1024 elements.
+        chunk_bytes: packed bytes per SUM all_reduce.  A bucket's codes go in chunks of about
+            this size, each launched as soon as it is packed and unpacked as soon as it
+            arrives, so packing and unpacking overlap the wire.  ``None`` (default): 2 MiB
+            chunks (``core.AUTO_CHUNK_BYTES``, 8 MB of fp32 gradient at ``bits=8``) on CPU,
+            one all_reduce per bucket on CUDA; 0: one all_reduce per bucket.
 
     Checkpointing: the state pickles (``torch.save``) without its process group, like
     ``PowerSGDState``; a loaded state uses the default group (set ``process_group`` after
@@ -103,9 +108,11 @@ class GlobalQSGDState:
 
     def __init__(self, process_group: Any = None, bits: int = 8, norm: str = "max",
                  seed: int | None = None,
-                 scale_block: int = core.DEFAULT_SCALE_BLOCK) -> None:
+                 scale_block: int = core.DEFAULT_SCALE_BLOCK,
+                 chunk_bytes: int | None = core.DEFAULT_CHUNK_BYTES) -> None:
         # settings: validated once, immutable
-        self.settings = core.Settings(bits=bits, norm=norm, seed=seed, scale_block=scale_block)
+        self.settings = core.Settings(bits=bits, norm=norm, seed=seed, scale_block=scale_block,
+                                      chunk_bytes=chunk_bytes)
         self.process_group = process_group
         # cumulative figures, one round per DDP step (engine.Stats: bytes and seconds)
         self.stats = Stats()
@@ -203,16 +210,18 @@ def global_qsgd_hook(state: GlobalQSGDState,
        :math:`q = \lfloor xL/s \rfloor + [u < \mathrm{frac}(xL/s)]` with ``u`` from the rank's
        own counter-based stream (unbiased, :math:`E[q] = xL/s`); ``64 // bits`` codes per
        int64 word as signed digits.
-    4. **Sum** (COLLECTIVE, async int64 SUM ``all_reduce``): lane sums stay in
+    4. **Sum** (COLLECTIVE, async int64 SUM ``all_reduce``, one per chunk of
+       ``chunk_bytes``, each launched as soon as it is packed): lane sums stay in
        :math:`[-nL, nL]`, inside a ``bits``-bit lane, so words add without carries.
-    5. **Rescale** (``Future.then``): :math:`\frac{1}{n}\sum_i q_i \cdot s/L`, written into
-       the bucket's buffer in its dtype.  Bit-identical on every rank.
+    5. **Rescale** (``Future.then``, per chunk as it arrives):
+       :math:`\frac{1}{n}\sum_i q_i \cdot s/L`, written into the bucket's buffer in its
+       dtype.  Bit-identical on every rank.
 
     Bytes on the wire per element: ``8 / (64 // bits)`` (1 at 8 bits, 4x fewer than fp32)
     plus 8 per block for step 2.
 
     Hazards:
-        * Collective order.  Both all_reduces are issued here, on the autograd thread, in
+        * Collective order.  All all_reduces are issued here, on the autograd thread, in
           bucket order.  Ranks must issue collectives in one order (Gloo tags them by issue
           order), and a ``Future.then`` callback of a Gloo all_reduce runs on a Gloo worker
           thread whenever it completes: launching the Sum from the MAX's callback races with
@@ -256,16 +265,24 @@ def global_qsgd_hook(state: GlobalQSGDState,
     dist.all_reduce(norms, op=dist.ReduceOp.MAX, group=group)  # COLLECTIVE, blocking
     exchanged = time.perf_counter()
     steps = core.step_sizes(_OPS, norms, n_levels) / size  # value of one summed code
-    words = _encode(state, flat, norms, layout, n_levels, fused)
-    launched = time.perf_counter()
+    mult = core.multipliers(_OPS, norms, n_levels).to(flat.dtype)  # L / s per segment
+    chunk_bytes = state.settings.chunk_bytes
+    if chunk_bytes is None:
+        chunk_bytes = core.AUTO_CHUNK_BYTES if fused else 0
+    decoded = []
+    for c in core.chunk_plan(layout.counts, bits, chunk_bytes):
+        words = _encode(state, flat, mult, layout, c, n_levels, fused)
+        future = dist.all_reduce(words, op=dist.ReduceOp.SUM, group=group,
+                                 async_op=True).get_future()  # COLLECTIVE
+        decoded.append(future.then(_decoder(state, flat, steps, layout, c, fused)))
+        if len(decoded) == 1:
+            launched = time.perf_counter()  # the wire starts working here
     state._begin(len(layout.numels), bucket.is_last(), {
         "uncompressed": buffer.numel() * buffer.element_size(),
         "payload": core.wire_bytes(layout.total, bits), "overhead": 8 * len(layout.counts),
         "quantize_s": (scaled - start) + (launched - exchanged),
         "scale_wait_s": exchanged - scaled})
-    future = dist.all_reduce(words, op=dist.ReduceOp.SUM, group=group,
-                             async_op=True).get_future()  # COLLECTIVE
-    return future.then(_decoder(state, buffer, flat, steps, layout, fused, launched))
+    return torch.futures.collect_all(decoded).then(_finisher(state, buffer, flat, launched))
 
 
 def _local_norms(flat: torch.Tensor, layout: _Layout, norm: str, fused: bool) -> torch.Tensor:
@@ -285,41 +302,59 @@ def _local_norms(flat: torch.Tensor, layout: _Layout, norm: str, fused: bool) ->
     return torch.nan_to_num(out.sqrt(), nan=torch.inf)
 
 
-def _encode(state: GlobalQSGDState, flat: torch.Tensor, scales: torch.Tensor, layout: _Layout,
-            n_levels: int, fused: bool) -> torch.Tensor:
-    """Step 3: int64 words of the bucket's codes (``core.packed_words`` long)."""
+def _encode(state: GlobalQSGDState, flat: torch.Tensor, mult: torch.Tensor, layout: _Layout,
+            c: core.Chunk, n_levels: int, fused: bool) -> torch.Tensor:
+    """Step 3 for chunk ``c`` of the bucket: int64 words of its codes, with a noise key of
+    its own (each chunk's stream starts at its first element)."""
     bits, key = state.settings.bits, state._next_key()
-    mult = core.multipliers(_OPS, scales, n_levels).to(flat.dtype)  # L / s per segment
+    part = flat[c.lo:c.hi]
     if fused:
-        words = np.empty(core.packed_words(layout.total, bits), dtype=np.int64)
-        kernels.quantize_pack(flat.numpy(), np.asarray(layout.counts), mult.numpy(), n_levels,
-                              bits, key, words)
+        words = np.empty(core.packed_words(c.hi - c.lo, bits), dtype=np.int64)
+        kernels.quantize_pack(part.numpy(), np.asarray(c.counts), mult[c.first:c.stop].numpy(),
+                              n_levels, bits, key, words)
         return torch.from_numpy(words)
-    per_element = mult[layout.segment_of(flat.device)]
-    return core.encode(_OPS, flat, per_element, state._uniform(flat, key), n_levels, bits)
+    per_element = mult[layout.segment_of(flat.device)[c.lo:c.hi]]
+    return core.encode(_OPS, part, per_element, state._uniform(part, key), n_levels, bits)
 
 
-def _decoder(state: GlobalQSGDState, buffer: torch.Tensor, flat: torch.Tensor,
-             steps: torch.Tensor, layout: _Layout, fused: bool,
-             launched: float) -> Callable[[torch.futures.Future], torch.Tensor]:
-    """Step 5, as the callback of the Sum all_reduce's future: lane sums times ``steps`` into
-    ``flat`` (the buffer itself for fp32/fp64), then the buffer."""
+def _decoder(state: GlobalQSGDState, flat: torch.Tensor, steps: torch.Tensor,
+             layout: _Layout, c: core.Chunk,
+             fused: bool) -> Callable[[torch.futures.Future], tuple[float, float]]:
+    """Step 5 for chunk ``c``, as the callback of its SUM all_reduce's future: its lane sums
+    times ``steps`` into its slice of ``flat`` (the bucket's buffer itself for fp32/fp64).
+    Chunks write disjoint slices, so their callbacks may run concurrently.  Returns when the
+    chunk arrived and how long decoding it took (for the stats)."""
     bits, block = state.settings.bits, state.settings.scale_block
 
-    def decode(future: torch.futures.Future) -> torch.Tensor:
+    def decode(future: torch.futures.Future) -> tuple[float, float]:
         arrived = time.perf_counter()
         summed = future.value()[0]
         scale = steps.to(flat.dtype)  # as the kernels do: lane * float(step), rounded once
+        out = flat[c.lo:c.hi]
         if fused:
             kernels.Summed(summed.numpy(), bits).unpack_bucket(
-                flat.numpy(), layout.numels, layout.first, scale.numpy(), block)
+                out.numpy(), layout.numels, layout.first, scale.numpy(), block, start=c.lo)
         else:
-            sums = core.unpack(_OPS, summed, bits, layout.total)
-            torch.mul(sums.to(flat.dtype), scale[layout.segment_of(flat.device)], out=flat)
-        if flat is not buffer:
-            buffer.copy_(flat)
-        state._end({"codes_wait_s": arrived - launched,
-                    "quantize_s": time.perf_counter() - arrived})
-        return buffer
+            sums = core.unpack(_OPS, summed, bits, c.hi - c.lo)
+            per_element = scale[layout.segment_of(flat.device)[c.lo:c.hi]]
+            torch.mul(sums.to(flat.dtype), per_element, out=out)
+        return arrived, time.perf_counter() - arrived
 
     return decode
+
+
+def _finisher(state: GlobalQSGDState, buffer: torch.Tensor, flat: torch.Tensor,
+              launched: float) -> Callable[[torch.futures.Future], torch.Tensor]:
+    """Once every chunk is decoded: the buffer (copied from ``flat`` for fp16/bf16), and the
+    step's figures.  An error in a chunk's decode surfaces here, from its future."""
+
+    def finish(chunks: torch.futures.Future) -> torch.Tensor:
+        start = time.perf_counter()
+        timings = [chunk.wait() for chunk in chunks.value()]  # raises what a decode raised
+        if flat is not buffer:
+            buffer.copy_(flat)
+        state._end({"codes_wait_s": max(t for t, _ in timings) - launched,
+                    "quantize_s": sum(d for _, d in timings) + time.perf_counter() - start})
+        return buffer
+
+    return finish

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import launch  # noqa: E402
 from ddp_inputs import (  # noqa: E402
     BLOCK,
+    CHUNK_BYTES,
     EXACT_CASES,
     SHAPES,
     exact_inputs,
@@ -145,8 +146,12 @@ def _uniforms(fused: bool, key: int, total: int) -> np.ndarray:
     return torch.rand(total, generator=gen).double().numpy()
 
 
-def _random_expected(n: int, step: int, buckets, fused: bool) -> list[np.ndarray]:
-    """Stochastic rounding simulated element by element with each rank's own noise."""
+def _random_expected(n: int, step: int, buckets, fused: bool,
+                     chunk_bytes: int = 0) -> list[np.ndarray]:
+    """Stochastic rounding simulated element by element with each rank's own noise.  With
+    ``chunk_bytes`` a bucket goes in chunks of that many packed bytes (8 codes per word,
+    cut at word boundaries), each with the next noise serial, its stream starting at the
+    chunk's first element."""
     xs = [[x.reshape(-1) for x in random_inputs(r, step)] for r in range(n)]
     level = _levels(8, n)
     out: list = [None] * len(SHAPES)
@@ -158,7 +163,12 @@ def _random_expected(n: int, step: int, buckets, fused: bool) -> list[np.ndarray
         for r in range(n):
             y = np.clip(np.concatenate([xs[r][i] for i in params]) * mult, -level, level)
             low = np.floor(y)
-            u = _uniforms(fused, core.noise_key(core.rank_seed(5, r), serial), y.size)
+            step_codes = (max(1, chunk_bytes // 8) * core.lanes_per_word(8) if chunk_bytes
+                          else y.size)
+            u = np.concatenate([
+                _uniforms(fused, core.noise_key(core.rank_seed(5, r), serial + j),
+                          min(step_codes, y.size - lo))
+                for j, lo in enumerate(range(0, y.size, step_codes))])
             sums += (low + (u < (y - low).astype(np.float64))).astype(np.int64)
         decoded = _rescale(sums, scale, level, n, "float32")
         for i, part in zip(params, np.split(decoded, np.cumsum(sizes)[:-1])):
@@ -201,6 +211,8 @@ def test_grid_inputs_decode_bit_exactly_and_identically(name, tmp_path_factory):
     for bits, dtype in EXACT_CASES:
         got = _all_equal([r["exact"][(bits, dtype)][0] for r in ranks])
         _assert_grads(got, _exact_expected(n, bits, dtype))
+        chunked = _all_equal([r["exact"][(bits, dtype, "chunked")] for r in ranks])
+        _assert_grads(chunked, _exact_expected(n, bits, dtype))  # chunk_bytes=CHUNK_BYTES
         bound = n * _levels(bits, n)  # elements 1 and 2: every rank sent +L and -L
         assert np.rint(got[0][1] * n / grid(3)[1]) == -np.rint(got[0][2] * n / grid(3)[2]) == bound
         stats = ranks[0]["exact"][(bits, dtype)][1]
@@ -209,20 +221,26 @@ def test_grid_inputs_decode_bit_exactly_and_identically(name, tmp_path_factory):
         assert numel * bits / 8 <= stats["total_payload"] <= numel * bits / 8 + 8 * len(SHAPES)
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-sum", "chunked"])
 @pytest.mark.parametrize("name", _configs("recorded"))
-def test_random_inputs_match_simulated_stochastic_rounding(name, tmp_path_factory):
+def test_random_inputs_match_simulated_stochastic_rounding(name, chunked, tmp_path_factory):
     ranks = _ranks(name, tmp_path_factory)
     n, fused = len(ranks), CONFIGS[name][2].get("HVD_GQSGD_KERNELS") != "0"
-    buckets = list(ranks[0]["recorded"]["buckets"])  # DDP rebuilds its buckets after step 0
+    runs = [r["recorded"]["chunked"] if chunked else r["recorded"] for r in ranks]
+    chunk_bytes = CHUNK_BYTES if chunked else 0
+    buckets = list(runs[0]["buckets"])  # DDP rebuilds its buckets after step 0
     for step in range(2):
-        got = _all_equal([r["recorded"]["grads"][step] for r in ranks])
+        got = _all_equal([run["grads"][step] for run in runs])
         taken = 0
         while sorted(i for _, ps in buckets[:taken] for i in ps) != list(range(len(SHAPES))):
             taken += 1
             assert taken <= len(buckets), "the recorded buckets do not cover every parameter"
-        _assert_grads(got, _random_expected(n, step, buckets[:taken], fused))
+        _assert_grads(got, _random_expected(n, step, buckets[:taken], fused, chunk_bytes))
         buckets = buckets[taken:]
     assert not buckets
+    if chunked:  # a key per chunk: serials advance by more than one per bucket
+        serials = [serial for serial, _ in runs[0]["buckets"]]
+        assert max(np.diff(serials)) > 1
 
 
 @pytest.mark.parametrize("name", _configs("recorded"))

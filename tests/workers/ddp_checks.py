@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).parent.parent.parent))
 from ddp_inputs import (  # noqa: E402
+    CHUNK_BYTES,
     EXACT_CASES,
     SHAPES,
     digits_split,
@@ -62,19 +63,22 @@ def _backward(model, xs, dtype):
 
 
 def exact(rank, n):
-    """Grid inputs (deterministic rounding) for every (bits, dtype); one step each."""
+    """Grid inputs (deterministic rounding) for every (bits, dtype); one step each, with
+    one SUM all_reduce per bucket and with buckets sent in chunks of CHUNK_BYTES."""
     out = {}
     for bits, dtype in EXACT_CASES:
         state = GlobalQSGDState(bits=bits, seed=1)
         model = _ddp(SHAPES, DTYPES[dtype], state)
         out[(bits, dtype)] = (_backward(model, exact_inputs(rank, n, bits), DTYPES[dtype]),
                               state.stats.as_dict())
+        chunked = GlobalQSGDState(bits=bits, seed=1, chunk_bytes=CHUNK_BYTES)
+        out[(bits, dtype, "chunked")] = _backward(_ddp(SHAPES, DTYPES[dtype], chunked),
+                                                  exact_inputs(rank, n, bits), DTYPES[dtype])
     return out
 
 
-def recorded(rank, n, **kw):
-    """Random inputs, seed 5: grads of 2 steps plus each bucket's (serial, param indices)."""
-    state = GlobalQSGDState(bits=8, seed=5)
+def _recorded_run(state):
+    """Grads of 2 steps of random inputs plus each bucket's (first noise serial, params)."""
     model = DDP(Params(SHAPES, torch.float32), bucket_cap_mb=0.01)
     index = {id(p): i for i, p in enumerate(model.module.ps)}
     buckets = []
@@ -84,10 +88,17 @@ def recorded(rank, n, **kw):
         return global_qsgd_hook(st, bucket)
 
     model.register_comm_hook(state, hook)
+    rank = dist.get_rank()
     grads = [_backward(model, random_inputs(rank, step), torch.float32) for step in range(2)]
+    return {"grads": grads, "buckets": buckets}
+
+
+def recorded(rank, n, **kw):
+    """Random inputs, seed 5, one SUM per bucket and in chunks (a noise key per chunk)."""
     l2 = _backward(_ddp(SHAPES, torch.float32, GlobalQSGDState(norm="l2")), random_inputs(rank, 0),
                    torch.float32)
-    return {"grads": grads, "buckets": buckets, "l2": l2}
+    return {**_recorded_run(GlobalQSGDState(bits=8, seed=5)), "l2": l2,
+            "chunked": _recorded_run(GlobalQSGDState(bits=8, seed=5, chunk_bytes=CHUNK_BYTES))}
 
 
 def unbiased(rank, n, trials=200):

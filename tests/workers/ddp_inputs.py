@@ -11,6 +11,7 @@ from hvd_gqsgd import core
 SHAPES = [(3000,), (40, 50), (7,), (1500,)]
 BLOCK = core.DEFAULT_SCALE_BLOCK
 GRID_EXPONENT = -3
+CHUNK_BYTES = 256  # chunk_bytes of the chunked runs: 256 codes at 8 bits, cut mid block
 EXACT_CASES = [(bits, dtype) for bits in (4, 8) for dtype in ("float32", "float16", "bfloat16")
                ] + [(16, "float32"), (8, "float64")]
 
