@@ -480,14 +480,21 @@ def swept_variants(results: dict) -> list[str]:
 
 def left_out_lines(exp: Experiment, results: dict, swept: list[str]) -> list[str]:
     """One line per reason a swept spec has no row in ``exp``'s table."""
-    reasons: dict[str, list[str]] = {}
+    reasons: dict[str, dict[str, list[int]]] = {}  # reason -> spec -> world sizes
     for spec in swept:
         for n in sorted(results[exp.name]):
             why = not_run_reason(exp, n, spec)
             if why is not None:
-                reasons.setdefault(why, []).append(f"`{spec}` at n={n}")
-    return [f"Not run, {why}: {', '.join(cells)}." for why, cells in reasons.items()] + (
-        [""] if reasons else [])
+                reasons.setdefault(why, {}).setdefault(spec, []).append(n)
+    lines = []
+    for why, specs in reasons.items():
+        by_sizes: dict[tuple[int, ...], list[str]] = {}
+        for spec, sizes in specs.items():
+            by_sizes.setdefault(tuple(sizes), []).append(f"`{spec}`")
+        lines.append(f"Not run, {why}: " + "; ".join(
+            f"{', '.join(names)} at {' and '.join(f'n={n}' for n in sizes)}"
+            for sizes, names in by_sizes.items()) + ".")
+    return lines + ([""] if lines else [])
 
 
 def local_sgd_lines(results: dict, swept: list[str]) -> list[str]:

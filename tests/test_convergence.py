@@ -273,8 +273,8 @@ def test_report_places_qprsgd_rows_and_keeps_goals_about_gq8(tmp_path):
         "within the 8-bit tolerances (0.5 points, 2%) at n=4, outside at n=2")
     page = convergence.render(results, {}, tmp_path)
     assert "## Local SGD (QPRSGD)" in page
-    assert "Not run, QPRSGD is PyTorch only: `qprsgd8:k=4` at n=2, `qprsgd8:k=4` at n=4, " \
-           "`qprsgd8:k=4:gossip` at n=2, `qprsgd8:k=4:gossip` at n=4." in page
+    assert "Not run, QPRSGD is PyTorch only: `qprsgd8:k=4`, `qprsgd8:k=4:gossip` at n=2 and " \
+           "n=4." in page
     assert "Not run, gossip needs a ring of ≥ 3 ranks: `qprsgd8:k=4:gossip` at n=2." in page
     assert page.count("Not run, gossip") == 2  # digits_torch and char_lm
     assert "| 4 | QPRSGD(8, K=4, gossip) | 127 |" in page
