@@ -49,7 +49,8 @@ def variants(bits: int) -> dict[str, GlobalQSGD]:
     """label -> compressor; the first is the default configuration."""
     return {f"GlobalQSGD({bits})": GlobalQSGD(bits=bits),
             "with scale_block=0": GlobalQSGD(bits=bits, scale_block=0),
-            "with chunk_bytes=1 MiB": GlobalQSGD(bits=bits, chunk_bytes=1 << 20)}
+            "with chunk_bytes=0": GlobalQSGD(bits=bits, chunk_bytes=0),
+            "with chunk_bytes=2 MiB": GlobalQSGD(bits=bits, chunk_bytes=2 << 20)}
 
 
 def torch_fns(n: int, bits: int) -> Fns:
