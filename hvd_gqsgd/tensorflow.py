@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
-import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -327,56 +325,14 @@ def _fused(t: Any) -> bool:
     return "CPU" in device.upper() or not tf.config.list_logical_devices("GPU")
 
 
-_TF_ALIGN = 64  # bytes; at least EIGEN_MAX_ALIGN_BYTES on every build
-_POOL_MIN = 1 << 20  # bytes: smaller buffers are cheap to allocate
-_POOL_BYTES = 16 << 20  # per size: buffers kept beyond the first
-_pool: dict[int, list[np.ndarray]] = {}
-_pool_lock = threading.Lock()
-
-
 def _host_empty(size: int, dtype: Any) -> np.ndarray:
-    """An uninitialised array for a ``_host`` function to return, its data 64-byte aligned.
+    """An uninitialised array for a ``_host`` function to return (:func:`kernels.host_array`).
 
-    ``numpy_function`` hands TF an aligned result's buffer as is, but copies an unaligned one
-    into a fresh TF allocation, and NumPy aligns big arrays to only 16 bytes: for a 64 MB
-    gradient the copy cost 17 ms a step, a quarter of the whole local work.  Big buffers are
-    recycled (:func:`_recycled`): a fresh 64 MB one costs its page faults again every step."""
-    dtype = np.dtype(dtype)
-    nbytes = size * dtype.itemsize
-    raw = _recycled(nbytes) if nbytes >= _POOL_MIN else np.empty(nbytes + _TF_ALIGN, np.uint8)
-    skip = -raw.ctypes.data % _TF_ALIGN
-    return raw[skip:skip + nbytes].view(dtype)
-
-
-def _free_refs() -> int:
-    """What ``sys.getrefcount`` says of a pooled buffer that nothing else references: the
-    pool's list, the loop variable and the call's own argument (measured, not assumed)."""
-    pool = [np.empty(1, np.uint8)]
-    for raw in pool:
-        return sys.getrefcount(raw)
-    raise AssertionError("unreachable")
-
-
-_FREE_REFS = _free_refs()
-
-
-def _recycled(nbytes: int) -> np.ndarray:
-    """A byte buffer of ``nbytes + _TF_ALIGN``: a pooled one that nothing references any more,
-    else a new one, kept in the pool while the pool holds fewer than
-    ``max(1, _POOL_BYTES // nbytes)`` of this size.
-
-    A buffer handed to TF stays referenced, by the tensor it backs (numpy_function hands TF
-    the array, and TF drops its reference only when the tensor's memory is freed) or by any
-    view of it, so a reference count at the floor means that no tensor uses it."""
-    with _pool_lock:
-        pool = _pool.setdefault(nbytes, [])
-        for raw in pool:
-            if sys.getrefcount(raw) == _FREE_REFS:
-                return raw
-        raw = np.empty(nbytes + _TF_ALIGN, np.uint8)
-        if len(pool) < max(1, _POOL_BYTES // nbytes):
-            pool.append(raw)
-        return raw
+    Its data is 64-byte aligned: ``numpy_function`` hands TF an aligned result's buffer as
+    is, but copies an unaligned one into a fresh TF allocation, and NumPy aligns big arrays
+    to only 16 bytes (the copy cost 17 ms per 64 MB output here, a quarter of the local
+    work)."""
+    return kernels.host_array(size, dtype)
 
 
 def _host(fn: Callable[..., Any], inputs: list[Any], dtype: Any, shape: list[int]) -> Any:

@@ -9,18 +9,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
+
+from . import kernels
 
 __all__ = ["TorchOps", "host_empty"]
 
 
 def host_empty(shape: int | tuple[int, ...], dtype: type) -> torch.Tensor:
-    """An uninitialised CPU tensor whose memory NumPy allocated.  NumPy asks the kernel for
-    transparent huge pages on large buffers, torch does not: a fresh 64 MB buffer filled once
-    cost 30 ms more from torch.empty than from np.empty here (THP in "madvise" mode), which
-    was a third of the whole compress + allreduce + decompress."""
-    return torch.from_numpy(np.empty(shape, dtype=dtype))
+    """An uninitialised CPU tensor on :func:`hvd_gqsgd.kernels.host_array` memory: NumPy's
+    (huge pages on large buffers, where a fresh 64 MB torch.empty buffer filled once cost
+    30 ms more here), and recycled once nothing holds it."""
+    return torch.from_numpy(kernels.host_array(shape, dtype))
 
 
 class TorchOps:

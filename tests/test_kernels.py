@@ -203,3 +203,29 @@ def test_unpack_bucket_chunk_by_chunk_matches_whole_bucket(bits, block, chunk_by
         kernels.Summed(part, bits).unpack_bucket(out[c.lo:c.hi], numels, first, scales, block,
                                                  start=c.lo)
     np.testing.assert_array_equal(out, want)
+
+
+def test_host_arrays_are_aligned_and_recycled_only_when_unused():
+    """kernels.host_array: aligned; a big buffer goes back to use only once nothing (no
+    NumPy view, no torch tensor made with from_numpy) holds it; small ones are not pooled."""
+    import torch
+
+    from hvd_gqsgd.torch_ops import host_empty
+
+    n = (4 << 20) // 8  # 4 MiB of int64: pooled, up to 4 buffers of this size
+    kernels._pool.pop(n * 8, None)
+    a = host_empty(n, np.int64)
+    a.fill_(1)
+    b = kernels.host_array((n // 2, 2), np.int64)  # a is alive: another buffer
+    assert b.shape == (n // 2, 2) and b.ctypes.data % kernels.ALIGN == 0
+    assert a.data_ptr() % kernels.ALIGN == 0 and a.data_ptr() != b.ctypes.data
+    b[:] = 2
+    assert torch.all(a == 1)
+    pooled = kernels._pool[n * 8]
+    assert len(pooled) == 2
+    del a
+    c = host_empty(n, np.int64)  # a's buffer is free again
+    assert len(pooled) == 2 and np.all(b == 2)
+    assert c.data_ptr() not in range(b.ctypes.data, b.ctypes.data + n * 8)
+    assert kernels.host_array(10, np.float32).base is not kernels.host_array(10, np.float32).base
+    assert 40 not in kernels._pool  # small buffers: not pooled

@@ -243,28 +243,30 @@ def test_gradients_are_grouped_and_a_late_compressor_warns(late):
 
 
 def test_recycled_host_buffers_never_overwrite_a_live_tensor():
-    """Big host outputs come from a pool (a fresh 64 MB buffer page-faults every step); a
-    buffer is reused only once no tensor or view holds it, so results the caller keeps are
-    never overwritten, and a dropped result's buffer is reused."""
+    """Big host outputs come from a pool (kernels.host_array: a fresh 64 MB buffer
+    page-faults every step); a buffer is reused only once no tensor or view holds it, so
+    results the caller keeps are never overwritten, and a dropped result's buffer is
+    reused."""
     from hvd_gqsgd import tensorflow as htf
 
     n = (2 << 20) // 4  # 2 MiB of float32: pooled, up to 8 buffers of this size
 
     def fill(v):
         out = htf._host_empty(n, np.float32)
+        assert out.ctypes.data % kernels.ALIGN == 0
         out[:] = v
         return out
 
     make = tf.function(lambda v: htf._host(fill, [v], tf.float32, [n]), autograph=False)
-    htf._pool.pop(n * 4, None)
+    kernels._pool.pop(n * 4, None)
     kept = [make(tf.constant(float(i))) for i in range(3)]  # all alive at once
     for i, t in enumerate(kept):
         assert np.all(t.numpy() == i)
-    pooled = htf._pool[n * 4]
+    pooled = kernels._pool[n * 4]
     assert len(pooled) == 3  # each result got its own buffer
     del kept, t
     again = make(tf.constant(7.0))
     assert np.all(again.numpy() == 7.0)
     assert len(pooled) == 3  # a dropped result's buffer was reused
-    view = htf._host_empty(n, np.float32)[10:20]  # a view keeps its buffer taken
-    assert htf._host_empty(n, np.float32).base is not view.base
+    view = kernels.host_array(n, np.float32)[10:20]  # a view keeps its buffer taken
+    assert kernels.host_array(n, np.float32).base is not view.base
