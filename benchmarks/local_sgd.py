@@ -2,7 +2,7 @@
 
 One command, as root (network namespaces), regenerates docs/LOCAL_SGD.md and its plot::
 
-    .venv/bin/python benchmarks/local_sgd.py                 # about 12 minutes
+    .venv/bin/python benchmarks/local_sgd.py                 # an hour or more, shared 2 cores
 
 It takes /tmp/gqsgd-bench.lock (other benchmarks on the machine wait, and it waits for them),
 starts 4 emulated hosts (benchmarks/emulated_hosts.py) joined by links of ``--rate``, and runs
@@ -13,7 +13,13 @@ the same windows, for the same number of steps (so the same samples):
   GlobalQSGD(8) gradients, every step;
 * ``avg:K``: PostLocalSGD-style fp32 model averaging every K steps (QPRSGD allreduce with
   ``Compression.none``: ``x_bar + mean(x_i - x_bar)`` is the plain mean of the models);
-* ``allreduce:K`` / ``gossip:K``: QPRSGD with GlobalQSGD(8) differences, every K steps.
+* ``allreduce:K`` / ``gossip:K``: QPRSGD with GlobalQSGD(8) differences, every K steps;
+  ``allreduce:K:wN`` (any local run) first averages after each of N warmup steps.
+
+A second mpirun job (``budget``) gives the local-SGD runs 3x the steps, for time to accuracy.
+A third job (``horizon``) is loss only: the same-samples comparison at several training
+lengths (``--horizon-steps``), plus warmup and K=1 runs at ``--steps``.  Losses do not depend
+on the link, so it runs on localhost with ``horovodrun --gloo`` (no emulated hosts, no lock).
 
 Local steps use Adam (state local to each rank).  The clock counts training only: at each
 log point (every ``--eval-every`` steps, a multiple of every K, so after a sync) it stops while
@@ -29,6 +35,7 @@ import fcntl
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,12 +51,22 @@ LABELS = {"sync:none": "sync fp32", "sync:gq8": "sync GlobalQSGD(8)"}
 LOCK = "/tmp/gqsgd-bench.lock"
 
 
+def parse_spec(spec: str) -> tuple[str, str, int | None]:
+    """``"allreduce:4:w32"`` -> ("allreduce", "4", 32); no ``:wN`` -> warmup None (the
+    job's ``--warmup-steps``)."""
+    kind, arg, *rest = spec.split(":")
+    if rest and not (len(rest) == 1 and rest[0][:1] == "w" and rest[0][1:].isdigit()):
+        raise ValueError(f"run spec {spec!r}: expected kind:K[:wN], e.g. 'allreduce:4:w32'")
+    return kind, arg, int(rest[0][1:]) if rest else None
+
+
 def label(spec: str) -> str:
-    kind, _, k = spec.partition(":")
     if spec in LABELS:
         return LABELS[spec]
+    kind, k, warmup = parse_spec(spec)
     return {"avg": f"fp32 averaging K={k}", "allreduce": f"QPRSGD allreduce K={k}",
-            "gossip": f"QPRSGD gossip K={k}"}[kind]
+            "gossip": f"QPRSGD gossip K={k}"}[kind] + (
+        f", warmup {warmup}" if warmup is not None else "")
 
 
 # ----------------------------------------------------------------------------- worker
@@ -63,7 +80,7 @@ def build(spec: str, net, args, hvd, seed: int):
     from hvd_gqsgd.qprsgd import QPRSGD
 
     adam = torch.optim.Adam(net.parameters(), lr=args.lr)
-    kind, _, arg = spec.partition(":")
+    kind, arg, warmup = parse_spec(spec)
     if kind == "sync":
         comp = hvd.Compression.none if arg == "none" else GlobalQSGD(bits=8, seed=seed)
         return hvd.DistributedOptimizer(adam, named_parameters=net.named_parameters(),
@@ -71,7 +88,7 @@ def build(spec: str, net, args, hvd, seed: int):
     comp = hvd.Compression.none if kind == "avg" else GlobalQSGD(bits=8, seed=seed)
     return QPRSGD(adam, net.parameters(), period=int(arg), compression=comp,
                   topology="gossip" if kind == "gossip" else "allreduce",
-                  warmup_steps=args.warmup_steps)
+                  warmup_steps=args.warmup_steps if warmup is None else warmup)
 
 
 def local_step(opt, net, batch, args, sync: bool, lm) -> float:
@@ -182,20 +199,27 @@ def _settings(args) -> dict:
 # ----------------------------------------------------------------------------- driver
 
 
+def worker_command(args, runs: str, factor: int, out: Path, steps: int | None = None,
+                   eval_every: int | None = None, rate: str | None = None) -> list[str]:
+    """The per-rank command line of one job (the settings of ``args`` unless overridden)."""
+    forward = ["--steps", str(steps or args.steps),
+               "--eval-every", str(eval_every or args.eval_every),
+               "--global-batch", str(args.global_batch), "--seq", str(args.seq),
+               "--lr", str(args.lr), "--hidden", str(args.hidden), "--embed", str(args.embed),
+               "--layers", str(args.layers), "--val-chars", str(args.val_chars),
+               "--seed", str(args.seed), "--runs", runs, "--rate", rate or args.rate,
+               "--local-factor", str(factor),
+               "--warmup-steps", str(args.warmup_steps), "--clip", str(args.clip),
+               "--json", str(out)]
+    return [sys.executable, str(Path(__file__).resolve()), "--worker", *forward]
+
+
 def launch(args, runs: str, factor: int, out: Path) -> None:
     """Root: 4 emulated hosts at --rate, one mpirun job of ``runs``, under the bench lock."""
     from emulated_hosts import EmulatedHosts, require_root
 
     require_root()
-    forward = ["--steps", str(args.steps), "--eval-every", str(args.eval_every),
-               "--global-batch", str(args.global_batch), "--seq", str(args.seq),
-               "--lr", str(args.lr), "--hidden", str(args.hidden), "--embed", str(args.embed),
-               "--layers", str(args.layers), "--val-chars", str(args.val_chars),
-               "--seed", str(args.seed), "--runs", runs, "--rate", args.rate,
-               "--local-factor", str(factor),
-               "--warmup-steps", str(args.warmup_steps), "--clip", str(args.clip),
-               "--json", str(out)]
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", *forward]
+    cmd = worker_command(args, runs, factor, out)
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{ROOT / 'examples'}"}
     with open(LOCK, "w") as lock:
         print(f"waiting for {LOCK} ...", flush=True)
@@ -212,6 +236,36 @@ def launch(args, runs: str, factor: int, out: Path) -> None:
             raise SystemExit(f"benchmark job failed (exit {proc.returncode}):\n"
                              f"{proc.stderr[-4000:]}")
         print(f"job took {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def horizon_runs(args, steps: int) -> str:
+    """The runs of the loss-only job at ``steps``: the diagnostics only at ``--steps``."""
+    return args.horizon_runs + ("," + args.diagnostic_runs
+                                if steps == args.steps and args.diagnostic_runs else "")
+
+
+def launch_horizon(args, out: Path) -> None:
+    """Loss only, on localhost: one ``horovodrun --gloo`` job per ``--horizon-steps`` length
+    (cosine schedule over that length; validation only at the end), into one JSON."""
+    results = {}
+    for steps in (int(s) for s in args.horizon_steps.split(",")):
+        part = out.with_name(f"{out.stem}_{steps}.json")
+        cmd = [str(Path(sys.executable).parent / "horovodrun"), "--gloo", "-np",
+               str(args.hosts), "-H", f"localhost:{args.hosts}",
+               *worker_command(args, horizon_runs(args, steps), 1, part, steps=steps,
+                               eval_every=steps, rate="loopback")]
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": f"{ROOT}:{ROOT / 'examples'}"}
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                              timeout=args.timeout)
+        if proc.returncode != 0:
+            raise SystemExit(f"loss-only job at {steps} steps failed (exit "
+                             f"{proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+        print(f"loss-only job, {steps} steps: {time.perf_counter() - start:.0f} s", flush=True)
+        results[str(steps)] = json.loads(part.read_text())
+        part.unlink()
+    out.write_text(json.dumps(results, indent=1))
 
 
 def merge(into: Path, extra: Path) -> None:
@@ -347,7 +401,7 @@ def _vs_gq8(same: dict, best_time: float | None) -> tuple[str, str]:
             f"after {gq8['train_s']:.0f} s)", _met(ratio, 1.5))
 
 
-def goals(same: dict, budget: dict | None) -> list[str]:
+def goals(same: dict, budget: dict | None, horizon: dict | None = None) -> list[str]:
     timed = budget or same
     runs, best = timed["runs"], best_qprsgd(timed["runs"])
     k = best.split(":")[1] if best else "K"
@@ -367,9 +421,96 @@ def goals(same: dict, budget: dict | None) -> list[str]:
     ar4 = same["runs"].get("allreduce:4")
     if ar4:
         pct = ar4["loss_vs_fp32_pct"]
-        rows.append(f"| final val loss, QPRSGD allreduce K=4 vs sync fp32, same samples | "
+        rows.append(f"| final val loss, QPRSGD allreduce K=4 vs sync fp32, same samples "
+                    f"({ar4['curve'][-1]['step']} steps, same-samples job) | "
                     f"within 3% | {pct:+.2f}% | {'yes' if abs(pct) <= 3 else 'no'} |")
+    for steps, runs in horizon_runs_by_length(horizon or {}).items():
+        if "allreduce:4" in runs and "sync:none" in runs and steps != same_steps(same):
+            pct = _pct(runs["allreduce:4"], runs["sync:none"])
+            rows.append(f"| same, {steps} steps for every run (loss-only job) | within 3% | "
+                        f"{pct:+.2f}% | {'yes' if abs(pct) <= 3 else 'no'} |")
     return rows
+
+
+def same_steps(res: dict) -> int:
+    return res["runs"]["sync:none"]["curve"][-1]["step"]
+
+
+def _pct(run: dict, base: dict) -> float:
+    return 100 * (run["val_loss"] / base["val_loss"] - 1)
+
+
+def horizon_runs_by_length(horizon: dict) -> dict[int, dict[str, dict]]:
+    """Loss-only job: steps -> spec -> run, shortest first."""
+    return {int(k): {r["spec"]: r for r in v["runs"]}
+            for k, v in sorted(horizon.items(), key=lambda kv: int(kv[0]))}
+
+
+def _lag(same: dict) -> str:
+    """Why a short run shows a larger gap, from the same-samples job's curves."""
+    sync, ar4 = same["runs"]["sync:none"]["curve"], same["runs"].get("allreduce:4")
+    caught = None if ar4 is None else time_to(sync, ar4["val_loss"], "step")
+    if caught is None:
+        return ""
+    steps = same_steps(same)
+    half = min(sync, key=lambda p: abs(p["step"] - steps / 2))
+    drop = half["val_loss"] - sync[-1]["val_loss"]
+    return ("  The gap shrinks as every run gets longer: in the same-samples job sync fp32 "
+            f"had reached QPRSGD allreduce K=4's final loss by step {caught:.0f} of {steps}, "
+            f"and its own loss still fell {drop:.2f} nats over its last "
+            f"{steps - half['step']} steps, so local SGD's lag of about "
+            f"{steps - caught:.0f} steps costs more at the end of a short run than at the end "
+            "of a longer one, where the loss has flattened.")
+
+
+def horizon_table(horizon: dict) -> list[str]:
+    rows = ["| steps (every run) | run | final val loss | vs sync fp32, same steps |",
+            "|---|---|---|---|"]
+    for steps, runs in horizon_runs_by_length(horizon).items():
+        base = runs["sync:none"]
+        rows += [f"| {steps} | {r['label']} | {r['val_loss']:.4f} | "
+                 f"{_pct(r, base):+.2f}% |" for r in runs.values()]
+    return rows
+
+
+def horizon_notes(horizon: dict, same: dict) -> list[str]:
+    """Sentences computed from the loss-only job: agreement with the emulated-host job, the
+    trend with length, warmup and K=1."""
+    by_len = horizon_runs_by_length(horizon)
+    out = []
+    here = by_len.get(same_steps(same), {})
+    shared = [s for s in here if s in same["runs"]]
+    if shared:
+        gap = max(abs(here[s]["val_loss"] - same["runs"][s]["val_loss"]) for s in shared)
+        out.append(f"- At {same_steps(same)} steps the loopback runs of "
+                   + ", ".join(here[s]["label"] for s in shared) + " end "
+                   + ("at exactly the same-samples job's losses (4 emulated hosts, mpirun): "
+                      "the link changes times, not losses." if gap == 0 else
+                      f"within {gap:.2g} nats of the same-samples job's losses."))
+    trend = [(steps, _pct(runs["allreduce:4"], runs["sync:none"]))
+             for steps, runs in by_len.items() if {"allreduce:4", "sync:none"} <= set(runs)]
+    if trend:
+        out.append("- QPRSGD allreduce K=4 against sync fp32 at the same samples: "
+                   + ", ".join(f"{pct:+.2f}% at {steps} steps" for steps, pct in trend)
+                   + "." + (_lag(same) if all(a[1] > b[1] for a, b in zip(trend, trend[1:]))
+                            else ""))
+    short = by_len.get(same_steps(same), {})
+    base, ar4 = short.get("sync:none"), short.get("allreduce:4")
+    warm = [s for s in short if s.startswith("allreduce:4:w")]
+    if base and ar4 and warm:
+        out.append(f"- Warmup at {same_steps(same)} steps (`warmup_steps`, averaging after "
+                   "each of the first N steps, as PostLocalSGD does): "
+                   + ", ".join(f"{short[s]['label']} {_pct(short[s], base):+.2f}%"
+                               for s in warm)
+                   + f", against {_pct(ar4, base):+.2f}% without.")
+    if base and "avg:1" in short:
+        out.append(f"- fp32 model averaging after *every* step (K=1, no local drift at all) "
+                   f"ends {_pct(short['avg:1'], base):+.2f}% from sync fp32: with Adam, "
+                   "averaging models is not averaging gradients, because each rank's Adam "
+                   "normalises its own quarter-batch gradient by moments of that gradient.  "
+                   "Warmup steps are such K=1 averaging steps (through the 8-bit allreduce), "
+                   "so they cannot do better than this.")
+    return out
 
 
 def _met(value: float | None, goal: float) -> str:
@@ -434,7 +575,7 @@ STATIC = """\
   table's "vs sync fp32" column shows the cost at equal samples.
 - **Adam's state stays local**: each rank's moments see only its own gradients, and model
   averaging does not average them.  `warmup_steps` (average after every step at first) is
-  the usual remedy for the early phase; it is not measured here.
+  the usual remedy for the early phase; the loss-only job measures it, and K=1 averaging.
 - **Gossip averages only with neighbours**, so a sync leaves the ranks apart: on a ring of
   4 with weights 1/3, one round with exact messages keeps a third of the disagreement, and
   the ring's spectral gap shrinks like 1/n², so larger rings need ~n² rounds to mix.  The
@@ -464,12 +605,14 @@ def _setup(payload: dict) -> str:
             "clock stops while it is measured.")
 
 
-def write_doc(same: dict, budget: dict | None, payload: dict, md: Path, png: Path) -> None:
+def write_doc(same: dict, budget: dict | None, payload: dict, md: Path, png: Path,
+              horizon: dict | None = None) -> None:
     lines = [
         "# Local SGD with quantized syncs (QPRSGD): time to accuracy",
         "",
-        "Regenerate (root; waits for `/tmp/gqsgd-bench.lock`; two mpirun jobs, 45 minutes "
-        "or more on this project's shared 2-core machine, depending on its load):",
+        "Regenerate (root; waits for `/tmp/gqsgd-bench.lock`; two mpirun jobs of 45 minutes "
+        "or more on this project's shared 2-core machine, depending on its load, then a "
+        "loss-only job on localhost):",
         "",
         "    .venv/bin/python benchmarks/local_sgd.py",
         "",
@@ -501,7 +644,28 @@ def write_doc(same: dict, budget: dict | None, payload: dict, md: Path, png: Pat
             *budget_notes(budget),
             "",
         ]
-    lines += ["## Against the goals of issue 13", "", *goals(same, budget), "",
+    if horizon:
+        lines += [
+            "## Same samples, longer training (loss only)",
+            "",
+            "A third job (`--jobs horizon`) asks whether the same-samples gap is the price of "
+            "local SGD or of a short run: every run takes the same steps again, at "
+            f"{', '.join(map(str, horizon_runs_by_length(horizon)))} steps, with the cosine "
+            "schedule over that length and all other settings as above.  Only the final "
+            "validation loss counts, and losses do not depend on the link, so this job runs "
+            "on localhost (`horovodrun --gloo`, 4 ranks, no emulated links) and takes no "
+            "times.  The local-SGD runs repeat bit for bit (integer sums, or one grouped "
+            "allreduce per sync); sync fp32 does not quite, probably because Horovod fuses its "
+            "per-tensor fp32 allreduces by timing, which changes the order of the sums: two "
+            "runs of this job (2026-12-01) ended at 1.8155 and 1.8142 after 320 steps and "
+            "1.6979 and 1.6964 after 480, about 0.1% apart.",
+            "",
+            *horizon_table(horizon),
+            "",
+            *horizon_notes(horizon, same),
+            "",
+        ]
+    lines += ["## Against the goals of issue 13", "", *goals(same, budget, horizon), "",
               f"![validation loss against time and steps]({png.name})", "",
               "## What the numbers say", "", *observations(same), "", STATIC]
     md.write_text("\n".join(lines))
@@ -513,9 +677,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--from-json", action="store_true",
                    help="only redraw the doc and plot from --json")
     p.add_argument("--runs", default=",".join(RUNS), help="runs of the same-samples job")
-    p.add_argument("--jobs", default="same,budget",
+    p.add_argument("--jobs", default="same,budget,horizon",
                    help="which jobs to run: same (every run the same steps), budget (local "
-                        "runs --budget-factor times the steps)")
+                        "runs --budget-factor times the steps), horizon (loss only, on "
+                        "localhost: same steps for every run at each --horizon-steps)")
+    p.add_argument("--horizon-steps", default="160,320,480",
+                   help="training lengths of the loss-only job")
+    p.add_argument("--horizon-runs", default="sync:none,avg:4,allreduce:4",
+                   help="runs of the loss-only job at every length")
+    p.add_argument("--diagnostic-runs", default="avg:1,allreduce:4:w32,allreduce:4:w80",
+                   help="more runs of the loss-only job, at --steps only")
     p.add_argument("--budget-runs", default=",".join(r for r in RUNS if r != "sync:gq8"))
     p.add_argument("--budget-factor", type=int, default=3)
     p.add_argument("--append", action="store_true",
@@ -551,6 +722,7 @@ def main() -> None:
         worker(args)
         return
     budget_json = args.json.with_name(args.json.stem + "_budget.json")
+    horizon_json = args.json.with_name(args.json.stem + "_horizon.json")
     if not args.from_json:
         if "same" in args.jobs:
             launch(args, args.runs, 1, args.json)
@@ -560,13 +732,17 @@ def main() -> None:
             merge(budget_json, extra)
         elif "budget" in args.jobs:
             launch(args, args.budget_runs, args.budget_factor, budget_json)
+        if "horizon" in args.jobs:
+            launch_horizon(args, horizon_json)
     payload = json.loads(args.json.read_text())
     same = analyse(payload)
     budget = analyse(json.loads(budget_json.read_text())) if budget_json.exists() else None
+    horizon = json.loads(horizon_json.read_text()) if horizon_json.exists() else None
     plot(same, budget, args.png)
-    write_doc(same, budget, payload, args.md, args.png)
+    write_doc(same, budget, payload, args.md, args.png, horizon)
     print("\n".join(table(same) + [""] + (table(budget) + [""] if budget else [])
-                    + goals(same, budget)))
+                    + (horizon_table(horizon) + [""] if horizon else [])
+                    + goals(same, budget, horizon)))
     print(f"wrote {args.md} and {args.png}")
 
 

@@ -358,3 +358,63 @@ def test_benchmark_time_to_target_interpolates_and_bounds():
     same = {"runs": {"sync:gq8": {"time_to_target": None, "train_s": 50.0, "val_loss": 2.1}}}
     text, met = local_sgd._vs_gq8(same, 10.0)  # never reached: its whole run is a lower bound
     assert text.startswith("> 5.00x") and met == "yes"
+
+
+def _bench():
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import local_sgd
+
+    return local_sgd
+
+
+def test_benchmark_run_specs_carry_warmup():
+    local_sgd = _bench()
+    assert local_sgd.parse_spec("allreduce:4:w32") == ("allreduce", "4", 32)
+    assert local_sgd.parse_spec("gossip:8") == ("gossip", "8", None)  # the job's --warmup-steps
+    assert local_sgd.label("allreduce:4:w32") == "QPRSGD allreduce K=4, warmup 32"
+    assert local_sgd.label("avg:1") == "fp32 averaging K=1"
+    for bad in ("allreduce:4:32", "allreduce:4:w", "avg:4:w8:w2"):
+        with pytest.raises(ValueError, match="kind:K"):
+            local_sgd.parse_spec(bad)
+
+
+def _run(spec: str, loss: float, steps: int) -> dict:
+    return {"spec": spec, "label": _bench().label(spec), "val_loss": loss,
+            "loss_vs_fp32_pct": 0.0, "time_to_target": None,
+            "curve": [{"step": 0, "val_loss": 4.6}, {"step": steps, "val_loss": loss}]}
+
+
+def test_benchmark_reports_the_equal_samples_goal_at_every_length():
+    local_sgd = _bench()
+    same = {"runs": {"sync:none": _run("sync:none", 2.0, 160),
+                     "allreduce:4": {**_run("allreduce:4", 2.12, 160),
+                                     "loss_vs_fp32_pct": 6.0}},
+            "target": 2.0}
+    horizon = {"160": {"runs": [_run("sync:none", 2.0, 160), _run("allreduce:4", 2.12, 160),
+                                _run("allreduce:4:w32", 2.14, 160)]},
+               "480": {"runs": [_run("sync:none", 1.7, 480), _run("allreduce:4", 1.717, 480)]},
+               "320": {"runs": [_run("sync:none", 1.8, 320), _run("allreduce:4", 1.872, 320)]}}
+    rows = [r for r in local_sgd.goals(same, None, horizon) if "within 3%" in r]
+    # the 160-step number stays; longer lengths follow, shortest first; no duplicate at 160
+    assert rows[0].endswith("(160 steps, same-samples job) | within 3% | +6.00% | no |")
+    assert rows[1] == "| same, 320 steps for every run (loss-only job) | within 3% | +4.00% | no |"
+    assert rows[2] == "| same, 480 steps for every run (loss-only job) | within 3% | +1.00% | yes |"
+    assert len(rows) == 3
+    notes = "\n".join(local_sgd.horizon_notes(horizon, same))
+    assert "+6.00% at 160 steps, +4.00% at 320 steps, +1.00% at 480 steps" in notes
+    assert "QPRSGD allreduce K=4, warmup 32 +7.00%, against +6.00% without" in notes
+    assert "exactly the same-samples job's losses" in notes
+    table = local_sgd.horizon_table(horizon)
+    assert table[2:5] == ["| 160 | sync fp32 | 2.0000 | +0.00% |",
+                          "| 160 | QPRSGD allreduce K=4 | 2.1200 | +6.00% |",
+                          "| 160 | QPRSGD allreduce K=4, warmup 32 | 2.1400 | +7.00% |"]
+
+
+def test_benchmark_diagnostic_runs_only_at_the_same_samples_length():
+    import argparse
+
+    local_sgd = _bench()
+    args = argparse.Namespace(steps=160, horizon_runs="sync:none,allreduce:4",
+                              diagnostic_runs="avg:1,allreduce:4:w32")
+    assert local_sgd.horizon_runs(args, 160) == "sync:none,allreduce:4,avg:1,allreduce:4:w32"
+    assert local_sgd.horizon_runs(args, 480) == "sync:none,allreduce:4"
