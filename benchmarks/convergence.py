@@ -515,7 +515,7 @@ def local_sgd_lines(results: dict, swept: list[str]) -> list[str]:
         "",
         "These runs take the same steps, so see the same samples, as fp32.  Per sample, local "
         "SGD is expected to do worse than synchronous SGD: the 8-bit tolerances of "
-        "GlobalQSGD below are a yardstick here, not a goal.  Time to accuracy on slow links, "
+        "GlobalQSGD (above) are a yardstick here, not a goal.  Time to accuracy on slow links, "
         "where local SGD pays, is in [LOCAL_SGD.md](LOCAL_SGD.md).",
         "",
         *(f"- **{parse_variant(spec).label}** (`{spec}`): {measured(results, spec)}: "
