@@ -342,8 +342,8 @@ def verdict(results: dict, spec: str) -> str:
     """Whether ``spec`` stayed within the 8-bit goals' tolerances, per world size."""
     ok = {}
     for n in WORLD_SIZES:
-        cells = [(exp, delta_of(results, exp.name, n, spec)) for exp in EXPERIMENTS]
-        cells = [(exp, d) for exp, d in cells if d is not None]
+        cells = [(exp, d) for exp in EXPERIMENTS
+                 if (d := delta_of(results, exp.name, n, spec)) is not None]
         if cells:
             ok[n] = all(goal_met(exp, d[0]) for exp, d in cells)
     inside = [f"n={n}" for n, good in ok.items() if good]
