@@ -68,11 +68,12 @@ class GlobalQSGD:
             chunk by chunk, so Horovod's background thread puts chunk k on the wire while
             chunk k+1 is being quantized.  ``None`` (default) lets the adapter choose:
             TensorFlow inside ``tf.function`` on CPU sends 2 MiB chunks
-            (``core.AUTO_CHUNK_BYTES``, 16 MiB of fp32 gradient at ``bits=8``) and unpacks
+            (``core.AUTO_CHUNK_BYTES``, 8 MiB of fp32 gradient at ``bits=8``) and unpacks
             each one as soon as it arrives; eager TensorFlow (where every Horovod op blocks
-            until done) and PyTorch (which joins the chunks before decoding) send one
-            allreduce per bucket, as chunks measured no faster there (docs/BENCHMARKS.md).
-            0 forces one allreduce per bucket; an int > 0 sets the chunk size.
+            until done, so chunks could not overlap) and PyTorch (which joins the chunks
+            before decoding, and where chunks measured slower: docs/BENCHMARKS.md) send one
+            allreduce per bucket.  0 forces one allreduce per bucket; an int > 0 sets the
+            chunk size.
         scale_block: elements per global scale (default 1024): each block of a tensor gets
             its own scale, at 8 bytes per block in the MAX exchange (0.8% more bytes at
             ``bits=8``).  Finer scales waste fewer levels where gradients are small: 1024
