@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from . import core, kernels
 from .engine import FIGURES, Stats
-from .torch_ops import TorchOps
+from .torch_ops import TorchOps, host_empty
 
 __all__ = ["GlobalQSGDState", "global_qsgd_hook"]
 
@@ -309,10 +309,10 @@ def _encode(state: GlobalQSGDState, flat: torch.Tensor, mult: torch.Tensor, layo
     bits, key = state.settings.bits, state._next_key()
     part = flat[c.lo:c.hi]
     if fused:
-        words = np.empty(core.packed_words(c.hi - c.lo, bits), dtype=np.int64)
+        words = host_empty(core.packed_words(c.hi - c.lo, bits), np.int64)
         kernels.quantize_pack(part.numpy(), np.asarray(c.counts), mult[c.first:c.stop].numpy(),
-                              n_levels, bits, key, words)
-        return torch.from_numpy(words)
+                              n_levels, bits, key, words.numpy())
+        return words
     per_element = mult[layout.segment_of(flat.device)[c.lo:c.hi]]
     return core.encode(_OPS, part, per_element, state._uniform(part, key), n_levels, bits)
 

@@ -227,7 +227,7 @@ class TensorFlowBackend:
             sizes = np.asarray(counts)
 
             def run(x: np.ndarray, m: np.ndarray) -> np.ndarray:
-                words = _host_empty(core.packed_words(x.size, bits), np.int64)
+                words = kernels.host_array(core.packed_words(x.size, bits), np.int64)
                 kernels.quantize_pack(x, sizes, m, n_levels, bits, self._keys.next(rank), words)
                 return words
 
@@ -325,20 +325,12 @@ def _fused(t: Any) -> bool:
     return "CPU" in device.upper() or not tf.config.list_logical_devices("GPU")
 
 
-def _host_empty(size: int, dtype: Any) -> np.ndarray:
-    """An uninitialised array for a ``_host`` function to return (:func:`kernels.host_array`).
-
-    Its data is 64-byte aligned: ``numpy_function`` hands TF an aligned result's buffer as
-    is, but copies an unaligned one into a fresh TF allocation, and NumPy aligns big arrays
-    to only 16 bytes (the copy cost 17 ms per 64 MB output here, a quarter of the local
-    work)."""
-    return kernels.host_array(size, dtype)
-
-
 def _host(fn: Callable[..., Any], inputs: list[Any], dtype: Any, shape: list[int]) -> Any:
     """``fn`` on the inputs' NumPy values as a *stateless* graph op (see the module docstring
-    for why); eagerly it is simply called.  A Python exception in ``fn`` surfaces as a TF
-    error carrying the same message."""
+    for why); eagerly it is simply called.  Big results come from :func:`kernels.host_array`:
+    ``numpy_function`` hands TF a 64-byte aligned array's buffer as is but copies an
+    unaligned one (NumPy aligns big arrays to 16 bytes only; 17 ms per 64 MB here).  A Python
+    exception in ``fn`` surfaces as a TF error carrying the same message."""
     if tf.executing_eagerly():
         return tf.convert_to_tensor(fn(*[t.numpy() for t in inputs]), dtype)
     out = tf.numpy_function(fn, inputs, dtype, stateful=False)
@@ -363,7 +355,7 @@ class _Words:
         words = self.chunks[0] if len(self.chunks) == 1 else tf.concat(self.chunks, 0)
 
         def run(words: np.ndarray, scales: np.ndarray) -> np.ndarray:
-            out = _host_empty(numel, out_dtype)
+            out = kernels.host_array(numel, out_dtype)
             kernels.Summed(np.array(words), self.bits).unpack_scale(start, out, scales, block)
             return out
 
@@ -395,7 +387,7 @@ class _Words:
             words = self.chunks[0] if len(self.chunks) == 1 else tf.concat(self.chunks, 0)
 
             def whole(words: np.ndarray, step: np.ndarray, probe: np.ndarray) -> np.ndarray:
-                out = _host_empty(total, out_dtype)
+                out = kernels.host_array(total, out_dtype)
                 unpack(out, words, scales_of(step, probe), 0)
                 return out
 
@@ -404,7 +396,8 @@ class _Words:
         scales = _host(scales_of, [steps, reduced_probe], tf.float64, [steps.shape[0]])
         # The buffer is allocated once the scales exist: a data input of its own, so two
         # buckets' buffers can never be merged as equal expressions.
-        buffer = _host(lambda _: _host_empty(total, out_dtype), [scales], compute, [total])
+        buffer = _host(lambda _: kernels.host_array(total, out_dtype), [scales], compute,
+                       [total])
         lanes, start, done = core.lanes_per_word(bits), 0, []
         for words in self.chunks:
             stop = min(total, start + _static_numel(words) * lanes)

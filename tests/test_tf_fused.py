@@ -252,7 +252,7 @@ def test_recycled_host_buffers_never_overwrite_a_live_tensor():
     n = (2 << 20) // 4  # 2 MiB of float32: pooled, up to 8 buffers of this size
 
     def fill(v):
-        out = htf._host_empty(n, np.float32)
+        out = kernels.host_array(n, np.float32)
         assert out.ctypes.data % kernels.ALIGN == 0
         out[:] = v
         return out
