@@ -1,7 +1,7 @@
 """Global-QSGD as a DDP communication hook (hvd_gqsgd.ddp), through real torch.distributed
 Gloo collectives: 2 and 3 ranks on one machine (mpirun, and torchrun), the generic torch-ops
 path (the one CUDA tensors take) with the numba kernels switched off, and 2 emulated hosts
-over TCP.
+over TCP (under mpirun, and under one torchrun per host as on a real multi-node job).
 
 Each configuration launches tests/workers/ddp_checks.py once; every test below compares what
 the ranks recorded with a single-process NumPy simulation written here from the algorithm's
@@ -50,6 +50,8 @@ CONFIGS = {
     "generic-np2": ("local", 2, {"HVD_GQSGD_KERNELS": "0"}, ALL[:-1]),
     "hosts-np2": ("hosts", 2, {}, ("exact", "recorded", "options", "subgroup", "join")),
     "torchrun-np2": ("torchrun", 2, {}, ("exact", "options")),
+    # one torchrun per emulated host, static rendezvous at host 0: torchrun across nodes
+    "torchrun-hosts-np2": ("torchrun-hosts", 2, {}, ("exact", "recorded", "options")),
 }
 _JOBS: dict[str, list[dict]] = {}
 
@@ -71,6 +73,8 @@ def _launch(name: str, out: Path) -> list[dict]:
             # Gloo binds to what the hostname resolves to (127.0.0.1 in every namespace)
             env.update(MASTER_ADDR=hosts.addresses[0], GLOO_SOCKET_IFNAME="eth0")
             proc = hosts.mpirun(command, env=env, timeout=TIMEOUT_S)
+    elif controller == "torchrun-hosts":
+        proc = _torchrun_on_hosts(n, command, env)
     elif controller == "torchrun":  # it sets RANK, WORLD_SIZE and MASTER_ADDR itself
         torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(n),
                     "--master_port", env.pop("MASTER_PORT")]
@@ -86,6 +90,31 @@ def _launch(name: str, out: Path) -> list[dict]:
     results = [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(n)]
     assert [r["size"] for r in results] == [n] * n
     return results
+
+
+def _torchrun_on_hosts(n: int, command: list[str], env: dict[str, str]
+                       ) -> subprocess.CompletedProcess:
+    """One ``torchrun --nnodes n --node_rank i`` per emulated host (network namespace), each
+    starting one rank; they meet at host 0's address.  Bounded by TIMEOUT_S; the namespaces
+    (and anything left in them) go when the block ends."""
+    port = env.pop("MASTER_PORT")
+    with launch.EmulatedHosts(n, rate=None) as hosts:
+        env["GLOO_SOCKET_IFNAME"] = "eth0"  # the hostname resolves to 127.0.0.1 in each
+        procs = [subprocess.Popen(
+            ["ip", "netns", "exec", ns, str(Path(sys.executable).parent / "torchrun"),
+             "--nnodes", str(n), "--nproc_per_node", "1", "--node_rank", str(i),
+             "--master_addr", hosts.addresses[0], "--master_port", port, *command[1:]],
+            env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True) for i, ns in enumerate(hosts.hosts)]
+        try:
+            outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+    failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+    return subprocess.CompletedProcess(
+        procs[0].args, procs[failed[0]].returncode if failed else 0,
+        "".join(o for o, _ in outs), "".join(f"[host {i}] {e}" for i, (_, e) in enumerate(outs)))
 
 
 def _configs(check: str) -> list:
