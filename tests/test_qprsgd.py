@@ -410,11 +410,39 @@ def test_benchmark_reports_the_equal_samples_goal_at_every_length():
                           "| 160 | QPRSGD allreduce K=4, warmup 32 | 2.1400 | +7.00% |"]
 
 
-def test_benchmark_diagnostic_runs_only_at_the_same_samples_length():
+def test_benchmark_diagnostic_runs_only_at_their_length():
     import argparse
 
     local_sgd = _bench()
-    args = argparse.Namespace(steps=160, horizon_runs="sync:none,allreduce:4",
+    args = argparse.Namespace(steps=480, diagnostic_steps=160,
+                              horizon_runs="sync:none,allreduce:4",
                               diagnostic_runs="avg:1,allreduce:4:w32")
     assert local_sgd.horizon_runs(args, 160) == "sync:none,allreduce:4,avg:1,allreduce:4:w32"
     assert local_sgd.horizon_runs(args, 480) == "sync:none,allreduce:4"
+
+
+def test_benchmark_notes_name_the_length_the_diagnostics_ran_at():
+    """A same-samples job at 480 steps with diagnostics from the 160-step loss-only run: the
+    warmup and K=1 notes use the 160-step runs and say so."""
+    local_sgd = _bench()
+    same = {"runs": {"sync:none": _run("sync:none", 1.7, 480),
+                     "allreduce:4": _run("allreduce:4", 1.717, 480)}, "target": 1.7}
+    horizon = {"160": {"runs": [_run("sync:none", 2.0, 160), _run("allreduce:4", 2.12, 160),
+                                _run("avg:1", 2.1, 160), _run("allreduce:4:w32", 2.14, 160)]},
+               "480": {"runs": [_run("sync:none", 1.7, 480), _run("allreduce:4", 1.717, 480)]}}
+    notes = "\n".join(local_sgd.horizon_notes(horizon, same))
+    assert "Warmup at 160 steps" in notes
+    assert "warmup 32 +7.00%, against +6.00% without" in notes
+    assert "ends +5.00% from sync fp32 at 160 steps" in notes
+    assert "At 480 steps the loopback runs" in notes
+
+
+def test_benchmark_link_note_reads_the_sync_steps_of_fp32_averaging():
+    local_sgd = _bench()
+    runs = {"sync:none": {"spec": "sync:none", "median_step_s": 0.6},
+            "avg:4": {"spec": "avg:4", "step_times": [0.05, 0.05, 0.05, 0.5] * 3},
+            "avg:1": {"spec": "avg:1", "step_times": [0.7]}}
+    note = local_sgd.link_notes({"runs": runs}, "1mb")
+    assert len(note) == 1 and "took 0.500 s at K=4, against 0.600 s" in note[0]
+    assert "K=1" not in note[0]
+    assert local_sgd.link_notes({"runs": {"sync:none": runs["sync:none"]}}, "1mb") == []
