@@ -446,3 +446,25 @@ def test_benchmark_link_note_reads_the_sync_steps_of_fp32_averaging():
     assert len(note) == 1 and "took 0.500 s at K=4, against 0.600 s" in note[0]
     assert "K=1" not in note[0]
     assert local_sgd.link_notes({"runs": {"sync:none": runs["sync:none"]}}, "1mb") == []
+
+
+def test_benchmark_time_goals_take_the_best_k_of_each_topology():
+    local_sgd = _bench()
+
+    def timed(spec, t):
+        return {**_run(spec, 1.5, 480), "time_to_target": t, "train_s": 2 * t}
+
+    runs = {"sync:none": timed("sync:none", 300.0), "avg:4": timed("avg:4", 60.0),
+            "avg:8": timed("avg:8", 36.0), "allreduce:4": timed("allreduce:4", 26.0),
+            "allreduce:8": timed("allreduce:8", 31.0), "gossip:4": timed("gossip:4", 27.0),
+            "gossip:8": timed("gossip:8", 25.0)}
+    same = {"runs": {"sync:none": runs["sync:none"], "sync:gq8": timed("sync:gq8", 75.0)}}
+    rows = local_sgd.goals(same, {"runs": runs, "factor": 3})
+    assert "best allreduce K (QPRSGD allreduce K=4, 26.0 s)" in rows[2]
+    assert rows[2].endswith("| >= 4x | 11.54x | yes |")
+    assert rows[4].endswith("at K=4 (time-budget job, local runs 3x the steps) | >= 1.5x | "
+                            "2.31x | yes |")
+    assert "(QPRSGD gossip K=8, 25.0 s, the fastest QPRSGD run)" in rows[5]
+    assert rows[6].endswith("| >= 1.5x | 3.00x | yes |")  # sync GQ8: 75 s
+    assert rows[7].endswith("at K=8 (time-budget job, local runs 3x the steps) | >= 1.5x | "
+                            "1.44x | no |")
