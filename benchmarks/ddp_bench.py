@@ -72,7 +72,9 @@ def write(path: Path, lines: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hosts", default="2,4")
-    parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--rate", default="1gbit",
+                        help="tc rate of every link; 'none' leaves the links unthrottled (the "
+                             "step's compute floor)")
     parser.add_argument("--variants", default="default,fp16,powersgd1,powersgd4,gqsgd8,"
                         "gqsgd4")
     parser.add_argument("--horovod", default="hvd-none,hvd-gqsgd8",
@@ -84,7 +86,7 @@ def main() -> None:
     require_root()
     rows = []
     for hosts in (int(h) for h in args.hosts.split(",")):
-        with EmulatedHosts(hosts, rate=args.rate) as net:
+        with EmulatedHosts(hosts, rate=None if args.rate == "none" else args.rate) as net:
             got = run_job(net, "ddp", args.variants, args)
             if args.horovod:
                 got += run_job(net, "horovod", args.horovod, args)
