@@ -608,9 +608,9 @@ def link_notes(res: dict, burst: str) -> list[str]:
             f"{runs['sync:none']['median_step_s']:.3f} s for sync fp32's steps back to back.  "
             "A real link of this rate gives no such credit: there the fp32-averaging rows "
             "would be slower and the \"vs fp32 avg same K\" column higher.  Smaller buckets "
-            "were tried and slowed continuous ring traffic below the link's rate (the "
-            "acknowledgements wait behind the data on the same link), so the page keeps "
-            f"{burst}."]
+            "were tried and slowed continuous ring traffic well below the link's rate (why "
+            "is not known: giving small packets such as acknowledgements their own priority "
+            f"class did not help), so the page keeps {burst}."]
 
 
 STATIC = """\
