@@ -15,6 +15,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -98,23 +99,31 @@ def _torchrun_on_hosts(n: int, command: list[str], env: dict[str, str]
     starting one rank; they meet at host 0's address.  Bounded by TIMEOUT_S; the namespaces
     (and anything left in them) go when the block ends."""
     port = env.pop("MASTER_PORT")
+    # files, not pipes: a host whose pipe filled up while we waited on the other would stall
+    # both in their next collective
+    logs = [tempfile.TemporaryFile("w+") for _ in range(n)]
     with launch.EmulatedHosts(n, rate=None) as hosts:
         env["GLOO_SOCKET_IFNAME"] = "eth0"  # the hostname resolves to 127.0.0.1 in each
         procs = [subprocess.Popen(
             ["ip", "netns", "exec", ns, str(Path(sys.executable).parent / "torchrun"),
              "--nnodes", str(n), "--nproc_per_node", "1", "--node_rank", str(i),
              "--master_addr", hosts.addresses[0], "--master_port", port, *command[1:]],
-            env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True) for i, ns in enumerate(hosts.hosts)]
+            env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, text=True)
+            for i, (ns, log) in enumerate(zip(hosts.hosts, logs))]
         try:
-            outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+            for p in procs:
+                p.wait(timeout=TIMEOUT_S)
         finally:
             for p in procs:
                 p.kill()
-    failed = [i for i, p in enumerate(procs) if p.returncode != 0]
-    return subprocess.CompletedProcess(
-        procs[0].args, procs[failed[0]].returncode if failed else 0,
-        "".join(o for o, _ in outs), "".join(f"[host {i}] {e}" for i, (_, e) in enumerate(outs)))
+    output = []
+    for i, log in enumerate(logs):
+        log.seek(0)
+        output.append(f"[host {i}] {log.read()}")
+        log.close()
+    failed = [p.returncode for p in procs if p.returncode != 0]
+    return subprocess.CompletedProcess(procs[0].args, failed[0] if failed else 0, "",
+                                       "".join(output))
 
 
 def _configs(check: str) -> list:
