@@ -304,9 +304,8 @@ def analyse(payload: dict) -> dict:
         r["steps_to_target"] = time_to(r["curve"], target, "step")
         r["median_step_s"] = statistics.median(r["step_times"])
         r["loss_vs_fp32_pct"] = 100 * (r["val_loss"] / target - 1)
-    compute = [statistics.median([t for i, t in enumerate(r["step_times"], 1)
-                                  if i % int(s.split(":")[1])])
-               for s, r in runs.items() if not s.startswith("sync")]
+    compute = [period_median_s(r, sync=False) for s, r in runs.items()
+               if not s.startswith("sync")]
     compute_s = min(compute) if compute else float("nan")
     return {"target": target, "runs": runs, "compute_step_s": compute_s,
             "factor": payload["settings"].get("local_factor", 1),
@@ -586,10 +585,11 @@ def budget_notes(budget: dict) -> list[str]:
     return out
 
 
-def sync_step_s(run: dict) -> float:
-    """Median seconds of a local-SGD run's sync steps (every K-th)."""
+def period_median_s(run: dict, sync: bool) -> float:
+    """Median seconds of a local-SGD run's sync steps (every K-th) or of its other steps."""
     k = int(run["spec"].split(":")[1])
-    return statistics.median(t for i, t in enumerate(run["step_times"], 1) if i % k == 0)
+    return statistics.median(t for i, t in enumerate(run["step_times"], 1)
+                             if (i % k == 0) == sync)
 
 
 def link_notes(res: dict, burst: str) -> list[str]:
@@ -600,7 +600,8 @@ def link_notes(res: dict, burst: str) -> list[str]:
                  key=lambda s: int(s.split(":")[1]))
     if not avg or "sync:none" not in runs:
         return []
-    steps = ", ".join(f"{sync_step_s(runs[s]):.3f} s at K={s.split(':')[1]}" for s in avg)
+    steps = ", ".join(f"{period_median_s(runs[s], sync=True):.3f} s at K={s.split(':')[1]}"
+                      for s in avg)
     return [f"- **The link model favours infrequent fp32 syncs.**  Each link is a tc token "
             f"bucket of {burst} that refills while the ranks compute, so a sync after idle "
             "steps sends part of its bytes at once.  fp32 averaging's sync step, which sends "
