@@ -17,6 +17,9 @@ draw it in any order, and it can be regenerated for any element.  Each 64-bit ha
 Framework-free: arguments are NumPy arrays (the torch adapter passes zero-copy views of CPU
 tensors).  Importing this module compiles nothing; each kernel is compiled on first use and
 cached on disk by numba.  ``HVD_GQSGD_KERNELS=0`` disables them (generic path everywhere).
+Big inputs run threaded, on at most :func:`thread_budget` threads per process (one per CPU
+share of each rank on the host, or ``OMP_NUM_THREADS``); with a budget of 1 every kernel runs
+serially and numba never starts its thread pool.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,7 +37,7 @@ try:
 except ImportError:  # the generic path in core still works
     numba = None  # type: ignore[assignment]
 
-__all__ = ["Summed", "available", "noise", "segment_norms", "quantize_pack"]
+__all__ = ["Summed", "available", "noise", "segment_norms", "quantize_pack", "thread_budget"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -237,9 +240,66 @@ if numba is not None:
     _scale_lanes = _twin(_scale_lanes)
 
 
+# ranks that launchers start on one host: Open MPI, horovodrun (Gloo), torchrun, MPICH/Hydra
+_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "HOROVOD_LOCAL_SIZE", "LOCAL_WORLD_SIZE",
+                    "MPI_LOCALNRANKS")
+_budget: int | None = None  # thread_budget() of this process, read at the first big kernel
+
+
+def thread_budget(environ: Mapping[str, str] = os.environ, cpus: int | None = None) -> int:
+    """Threads one kernel call may use in this process (at least 1), from the first of:
+
+    1. ``NUMBA_NUM_THREADS``, when set (numba's own setting);
+    2. ``OMP_NUM_THREADS``, when set: the per-rank thread count that multi-rank jobs already
+       set for torch and TF (torchrun sets 1 when it starts several ranks per node; so does
+       this project's Makefile);
+    3. the CPUs this process may run on (``cpus``, default its affinity mask) divided by the
+       ranks its launcher started on this host (``OMPI_COMM_WORLD_LOCAL_SIZE``,
+       ``HOROVOD_LOCAL_SIZE``, ``LOCAL_WORLD_SIZE`` or ``MPI_LOCALNRANKS``).
+
+    Why not numba's default of one thread per CPU in every rank: the threaded twins run on
+    numba's OpenMP pool, whose idle threads spin before they sleep.  With more ranks than
+    CPUs that spinning took the CPUs from everything else: 4 ranks of the local-SGD benchmark
+    on 2 CPUs took 0.3-0.6 s per local step (compute only, no kernel call) against 0.04 s with
+    one thread per rank (benchmarks/local_sgd.py, docs/LOCAL_SGD.md).
+    """
+    if "NUMBA_NUM_THREADS" in environ:
+        return _positive_int(environ, "NUMBA_NUM_THREADS")
+    if "OMP_NUM_THREADS" in environ:
+        return _positive_int(environ, "OMP_NUM_THREADS")
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+    local = next((_positive_int(environ, v) for v in _LOCAL_SIZE_VARS if v in environ), 1)
+    return max(1, cpus // local)
+
+
+def _positive_int(environ: Mapping[str, str], name: str) -> int:
+    first = environ[name].split(",")[0].strip()  # OMP_NUM_THREADS may list nested levels
+    if not first.isdigit() or int(first) < 1:
+        raise ValueError(f"{name}={environ[name]!r} is not a positive thread count; hvd_gqsgd's "
+                         f"CPU kernels read it to size their thread pool (see "
+                         f"hvd_gqsgd.kernels.thread_budget). Set it to an integer >= 1.")
+    return int(first)
+
+
+def _threads() -> int:
+    global _budget
+    if _budget is None:
+        _budget = min(thread_budget(), numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+    return _budget
+
+
 def _run(kernel, size: int, *args) -> None:
-    """Run the threaded twin of ``kernel`` when ``size`` elements make it worth it."""
-    kernel[0 if size >= PARALLEL_MIN else 1](*args)
+    """Run the threaded twin of ``kernel`` when ``size`` elements make it worth it and the
+    process's :func:`thread_budget` allows more than one thread; else the serial twin, which
+    starts no thread pool at all."""
+    threads = _threads() if size >= PARALLEL_MIN else 1
+    if threads > 1:
+        numba.set_num_threads(threads)  # numba keeps this count per calling thread
+        kernel[0](*args)
+    else:
+        kernel[1](*args)
 
 
 def _offset(bits: int) -> np.uint64:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+import numba
 import numpy as np
 import pytest
 from numpy_ops import NumpyOps
@@ -149,7 +150,9 @@ def test_noise_is_uniform_and_keyed():
     np.testing.assert_array_equal(u[50:60], kernels.noise(5, 50, 10))
 
 
-def test_threaded_kernels_match_generic_path():
+def test_threaded_kernels_match_generic_path(monkeypatch):
+    monkeypatch.setattr(kernels, "_budget", numba.config.NUMBA_NUM_THREADS)
+    assert kernels._threads() > 1, "needs a machine with 2+ CPUs to run the threaded twins"
     level, bits = 31, 8
     size = kernels.PARALLEL_MIN + 5 * kernels.BLOCK + 11  # the threaded twins run
     flat = np.random.default_rng(3).normal(size=size).astype(np.float32)
@@ -229,3 +232,34 @@ def test_host_arrays_are_aligned_and_recycled_only_when_unused():
     assert c.data_ptr() not in range(b.ctypes.data, b.ctypes.data + n * 8)
     assert kernels.host_array(10, np.float32).base is not kernels.host_array(10, np.float32).base
     assert 40 not in kernels._pool  # small buffers: not pooled
+
+
+@pytest.mark.parametrize("environ, cpus, expected", [
+    ({}, 8, 8),                                            # one rank: every CPU
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, 8, 2),           # mpirun, 4 ranks on the host
+    ({"HOROVOD_LOCAL_SIZE": "3"}, 8, 2),                   # horovodrun
+    ({"LOCAL_WORLD_SIZE": "4"}, 2, 1),                     # torchrun, more ranks than CPUs
+    ({"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "1"}, 8, 1),
+    ({"OMP_NUM_THREADS": "3,2"}, 8, 3),                    # nested levels: the outer one
+    ({"NUMBA_NUM_THREADS": "2", "OMP_NUM_THREADS": "1"}, 8, 2),
+])
+def test_thread_budget_shares_the_cpus_between_ranks(environ, cpus, expected):
+    assert kernels.thread_budget(environ, cpus) == expected
+
+
+@pytest.mark.parametrize("value", ["0", "", "two", "-1"])
+def test_thread_budget_rejects_a_bad_thread_count(value):
+    with pytest.raises(ValueError, match="OMP_NUM_THREADS.*positive thread count"):
+        kernels.thread_budget({"OMP_NUM_THREADS": value}, 8)
+
+
+@pytest.mark.parametrize("budget, size, twin", [
+    (1, kernels.PARALLEL_MIN, "serial"),        # a budget of 1 never starts the pool
+    (2, kernels.PARALLEL_MIN - 1, "serial"),    # too small to pay for a threaded launch
+    (2, kernels.PARALLEL_MIN, "threaded"),
+])
+def test_run_picks_the_twin_from_size_and_budget(monkeypatch, budget, size, twin):
+    monkeypatch.setattr(kernels, "_budget", budget)
+    ran = []
+    kernels._run((lambda: ran.append("threaded"), lambda: ran.append("serial")), size)
+    assert ran == [twin]
