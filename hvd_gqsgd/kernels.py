@@ -260,8 +260,8 @@ def thread_budget(environ: Mapping[str, str] = os.environ, cpus: int | None = No
     Why not numba's default of one thread per CPU in every rank: the threaded twins run on
     numba's OpenMP pool, whose idle threads spin before they sleep.  With more ranks than
     CPUs that spinning took the CPUs from everything else: 4 ranks of the local-SGD benchmark
-    on 2 CPUs took 0.3-0.6 s per local step (compute only, no kernel call) against 0.04 s with
-    one thread per rank (benchmarks/local_sgd.py, docs/LOCAL_SGD.md).
+    on 2 CPUs took 0.45-0.61 s per local step (which calls no kernel) against 0.06-0.07 s with
+    one thread per rank (benchmarks/local_sgd.py on emulated hosts).
     """
     if "NUMBA_NUM_THREADS" in environ:
         return _positive_int(environ, "NUMBA_NUM_THREADS")
