@@ -17,15 +17,19 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 
-import numpy as np
+# One thread for the kernels too (kernels.thread_budget reads this first; numba at import).
+os.environ["NUMBA_NUM_THREADS"] = "1"
 
-from hvd_gqsgd import GlobalQSGD, kernels
+import numpy as np  # noqa: E402
+
+from hvd_gqsgd import GlobalQSGD, kernels  # noqa: E402
 
 Fns = dict[str, Callable[[], object]]
 
@@ -87,8 +91,6 @@ def tf_fns(n: int, bits: int) -> Fns:
 
 
 def measure(framework: str, mb: int, bits: int, repeats: int) -> dict[str, float]:
-    if kernels.available():
-        kernels.numba.set_num_threads(1)
     n = mb * 2**20 // 4
     fns = (torch_fns if framework == "torch" else tf_fns)(n, bits)
     a, b, c = np.random.rand(n).astype(np.float32), np.random.rand(n).astype(np.float32), \
