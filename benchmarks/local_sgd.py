@@ -551,6 +551,14 @@ def observations(res: dict) -> list[str]:
            "is Horovod's background threads waiting for a core, not the link.",
            "- Final validation loss at the same number of samples, against sync fp32: "
            + ", ".join(worse) + "."]
+    between = [f"{runs[s]['label']} {period_median_s(runs[s], sync=False):.3f} s" for s in local
+               if int(s.split(":")[1]) > 1]
+    if between:
+        out.append("- Median step between syncs (compute only, the same work in every "
+                   "local-SGD run): " + ", ".join(between) + ".  The ranks' CPU kernels use "
+                   "one thread each here; with numba's default of one per CPU in every "
+                   "rank, the pool's spinning idle threads made these steps several times "
+                   "slower (measured in `hvd_gqsgd.kernels.thread_budget`'s docstring).")
     for k in sorted({s.split(":")[1] for s in local}, key=int):
         avg, ar, gos = (runs.get(f"{t}:{k}") for t in ("avg", "allreduce", "gossip"))
         if avg and ar:
