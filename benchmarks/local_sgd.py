@@ -304,8 +304,9 @@ def analyse(payload: dict) -> dict:
         r["steps_to_target"] = time_to(r["curve"], target, "step")
         r["median_step_s"] = statistics.median(r["step_times"])
         r["loss_vs_fp32_pct"] = 100 * (r["val_loss"] / target - 1)
-    compute = [period_median_s(r, sync=False) for s, r in runs.items()
-               if not s.startswith("sync")]
+        if not r["spec"].startswith("sync") and int(r["spec"].split(":")[1]) > 1:
+            r["between_syncs_s"] = period_median_s(r, sync=False)  # compute only
+    compute = [r["between_syncs_s"] for r in runs.values() if "between_syncs_s" in r]
     compute_s = min(compute) if compute else float("nan")
     return {"target": target, "runs": runs, "compute_step_s": compute_s,
             "factor": payload["settings"].get("local_factor", 1),
@@ -551,8 +552,8 @@ def observations(res: dict) -> list[str]:
            "is Horovod's background threads waiting for a core, not the link.",
            "- Final validation loss at the same number of samples, against sync fp32: "
            + ", ".join(worse) + "."]
-    between = [f"{runs[s]['label']} {period_median_s(runs[s], sync=False):.3f} s" for s in local
-               if int(s.split(":")[1]) > 1]
+    between = [f"{runs[s]['label']} {runs[s]['between_syncs_s']:.3f} s" for s in local
+               if "between_syncs_s" in runs[s]]
     if between:
         out.append("- Median step between syncs (compute only, the same work in every "
                    "local-SGD run): " + ", ".join(between) + ".  The ranks' CPU kernels use "
