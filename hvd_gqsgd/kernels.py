@@ -270,14 +270,15 @@ def thread_budget(environ: Mapping[str, str] = os.environ, cpus: int | None = No
     if cpus is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
             os.cpu_count() or 1)
-    local = next((_positive_int(environ, v) for v in _LOCAL_SIZE_VARS if v in environ), 1)
+    local = next((_positive_int(environ, v, "rank count") for v in _LOCAL_SIZE_VARS
+                  if v in environ), 1)
     return max(1, cpus // local)
 
 
-def _positive_int(environ: Mapping[str, str], name: str) -> int:
+def _positive_int(environ: Mapping[str, str], name: str, what: str = "thread count") -> int:
     first = environ[name].split(",")[0].strip()  # OMP_NUM_THREADS may list nested levels
     if not first.isdigit() or int(first) < 1:
-        raise ValueError(f"{name}={environ[name]!r} is not a positive thread count; hvd_gqsgd's "
+        raise ValueError(f"{name}={environ[name]!r} is not a positive {what}; hvd_gqsgd's "
                          f"CPU kernels read it to size their thread pool (see "
                          f"hvd_gqsgd.kernels.thread_budget). Set it to an integer >= 1.")
     return int(first)

@@ -253,6 +253,12 @@ def test_thread_budget_rejects_a_bad_thread_count(value):
         kernels.thread_budget({"OMP_NUM_THREADS": value}, 8)
 
 
+def test_thread_budget_rejects_a_bad_local_rank_count():
+    with pytest.raises(ValueError, match="OMPI_COMM_WORLD_LOCAL_SIZE='0' is not a positive "
+                                         "rank count"):
+        kernels.thread_budget({"OMPI_COMM_WORLD_LOCAL_SIZE": "0"}, 8)
+
+
 @pytest.mark.parametrize("budget, size, twin", [
     (1, kernels.PARALLEL_MIN, "serial"),        # a budget of 1 never starts the pool
     (2, kernels.PARALLEL_MIN - 1, "serial"),    # too small to pay for a threaded launch
