@@ -304,7 +304,8 @@ def analyse(payload: dict) -> dict:
         r["steps_to_target"] = time_to(r["curve"], target, "step")
         r["median_step_s"] = statistics.median(r["step_times"])
         r["loss_vs_fp32_pct"] = 100 * (r["val_loss"] / target - 1)
-        if not r["spec"].startswith("sync") and int(r["spec"].split(":")[1]) > 1:
+        kind, k, _ = parse_spec(r["spec"])
+        if kind != "sync" and int(k) > 1:
             r["between_syncs_s"] = period_median_s(r, sync=False)  # compute only
     compute = [r["between_syncs_s"] for r in runs.values() if "between_syncs_s" in r]
     compute_s = min(compute) if compute else float("nan")
