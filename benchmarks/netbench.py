@@ -91,10 +91,10 @@ def table(results: list[dict], mb: float) -> list[str]:
             t = framework_times(res["times"], framework)
             for name in [n for n in res["compressors"] if n in t]:
                 model = predict(t, res["hosts"], RATES[res["rate"]], mb, name)
-                vs_qsgd = f"{t['qsgd8'] / t[name]:.2f}x" if "qsgd8" in t else "-"
+                vs = " | ".join(f"{t[base] / t[name]:.2f}x" if base in t else "-"
+                                for base in ("none", "fp16", "qsgd8"))
                 lines.append(f"| {res['hosts']} | {res['rate']} | {framework} | {name} | "
-                             f"{t[name]:.3f} | {t['none'] / t[name]:.2f}x | "
-                             f"{t['fp16'] / t[name]:.2f}x | {vs_qsgd} | {model:.3f} |")
+                             f"{t[name]:.3f} | {vs} | {model:.3f} |")
     return lines
 
 
@@ -137,7 +137,8 @@ def plot(results: list[dict], path: Path) -> None:
         for framework, name in lines:
             pts = [(RATES[r["rate"]] / 1e9, t["none"] / t[name]) for r in results
                    if r["hosts"] == hosts
-                   for t in [framework_times(r["times"], framework)] if name in t]
+                   for t in [framework_times(r["times"], framework)]
+                   if name in t and "none" in t]
             if pts:
                 xs, ys = zip(*sorted(pts))
                 ax.plot(xs, ys, marker="o", ls="--" if framework == "tf" else "-",
