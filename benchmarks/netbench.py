@@ -25,10 +25,15 @@ timeout.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
+import os
 import re
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from emulated_hosts import EmulatedHosts, require_root
@@ -168,9 +173,36 @@ def main() -> None:
                         help="torch (allreduce_worker.py), tf (allreduce_worker_tf.py) or both")
     parser.add_argument("--tf-compressors", default="none,fp16,qsgd8,gqsgd8,gqsgd8@0k",
                         help="compressors of the TF job")
+    parser.add_argument("--busy", type=int, default=0,
+                        help="run this many CPU-bound loops (other processes) during the jobs: "
+                        "shows how much of this machine's CPU the emulated links need")
+    parser.add_argument("--busy-nice", type=int, default=0,
+                        help="niceness of the --busy loops (0: the jobs' own priority)")
     parser.add_argument("--out", default=str(ROOT / "docs"))
     args = parser.parse_args()
+    if args.busy < 0 or not 0 <= args.busy_nice <= 19:
+        parser.error(f"--busy must be >= 0 and --busy-nice in 0..19, got {args.busy} and "
+                     f"{args.busy_nice}")
     require_root()
+    with busy_loops(args.busy, args.busy_nice):
+        run(args)
+
+
+@contextlib.contextmanager
+def busy_loops(count: int, nice: int) -> Iterator[list[subprocess.Popen]]:
+    """``count`` processes that only spin, ``nice`` nicer than this one, for the duration."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                              preexec_fn=functools.partial(os.nice, nice))
+             for _ in range(count)]
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def run(args: argparse.Namespace) -> None:
     results = []
     started = time.time()
     for hosts in (int(h) for h in args.hosts.split(",")):
@@ -205,7 +237,9 @@ def main() -> None:
         "`tf.function`, as Horovod's tape calls it), Open MPI over TCP "
         "between network namespaces whose links tc limits to the given rate, 1 rank per host, "
         f"median of {args.repeats} runs of the slowest rank. All hosts share this machine's "
-        "2 cores, so compute-heavy rows are pessimistic. Model: see benchmarks/netbench.py.",
+        "2 cores, so compute-heavy rows are pessimistic. Model: see benchmarks/netbench.py."
+        + (f" {args.busy} other process(es) spun at niceness {args.busy_nice} throughout "
+           "(`--busy`)." if args.busy else ""),
         "",
         *table(results, args.mb),
         "",

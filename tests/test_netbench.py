@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -43,3 +44,13 @@ def test_table_leaves_a_missing_baseline_blank_instead_of_failing() -> None:
     rows = _rows(netbench.table([result], 64))
     assert rows[("tf", "gqsgd8@8192k")][:4] == ["0.180", "3.17x", "-", "-"]
     assert rows[("tf", "none")][1:4] == ["1.00x", "-", "-"]
+
+
+def test_busy_loops_spin_at_the_niceness_asked_and_stop_on_exit() -> None:
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    with netbench.busy_loops(2, 5) as procs:
+        assert len(procs) == 2
+        for proc in procs:
+            assert proc.poll() is None
+            assert os.getpriority(os.PRIO_PROCESS, proc.pid) == min(19, own + 5)
+    assert all(proc.poll() is not None for proc in procs)
