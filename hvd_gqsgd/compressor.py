@@ -73,7 +73,8 @@ class GlobalQSGD:
             until done, so chunks could not overlap) and PyTorch (which joins the chunks
             before decoding, and where chunks measured slower: docs/BENCHMARKS.md) send one
             allreduce per bucket.  0 forces one allreduce per bucket; an int > 0 sets the
-            chunk size.
+            chunk size.  ``HVD_GQSGD_OVERLAP_NICE`` lowers the priority of TF's overlapping
+            quantize (:class:`hvd_gqsgd.kernels.WireWatch`; off by default).
         scale_block: elements per global scale (default 1024): each block of a tensor gets
             its own scale, at 8 bytes per block in the MAX exchange (0.8% more bytes at
             ``bits=8``).  Finer scales waste fewer levels where gradients are small: 1024

@@ -6,6 +6,8 @@
   one pass over the words fixes their form (see :func:`_byte_lanes`); other widths go
   through a reused int16 buffer and a packing pass.
 * :class:`Summed`: a bucket's summed words, decoded one tensor at a time straight to floats.
+* :class:`WireWatch`: quantizes a chunk while earlier ones are on the wire, optionally at
+  lower priority (``HVD_GQSGD_OVERLAP_NICE``).
 
 They compute exactly what ``core.quantize`` + ``core.pack`` and ``core.unpack`` + rescale
 compute (tests/test_kernels.py checks this bit for bit), with one difference: the rounding
@@ -27,7 +29,9 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -37,7 +41,8 @@ try:
 except ImportError:  # the generic path in core still works
     numba = None  # type: ignore[assignment]
 
-__all__ = ["Summed", "available", "noise", "segment_norms", "quantize_pack", "thread_budget"]
+__all__ = ["Summed", "WireWatch", "available", "noise", "overlap_nice", "quantize_pack",
+           "segment_norms", "thread_budget"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -227,8 +232,11 @@ if numba is not None:
 
     def _twin(fn):
         """Compile ``fn`` twice: threaded for big inputs, serial for small ones (a threaded
-        launch costs about 1 ms, more than a small tensor's whole work)."""
-        return numba.njit(parallel=True, cache=True)(fn), numba.njit(cache=True)(fn)
+        launch costs about 1 ms, more than a small tensor's whole work).  The serial twin
+        releases the GIL, so that Python threads (TF's host calls, WireWatch's signals) run
+        while it works; the threaded one keeps it, which also keeps two threaded launches
+        from overlapping (numba's workqueue layer aborts on that)."""
+        return numba.njit(parallel=True, cache=True)(fn), numba.njit(cache=True, nogil=True)(fn)
 
     _items_absmax_bits = _twin(_items_absmax_bits)
     _segment_l2 = _twin(_segment_l2)
@@ -293,14 +301,162 @@ def _threads() -> int:
 
 def _run(kernel, size: int, *args) -> None:
     """Run the threaded twin of ``kernel`` when ``size`` elements make it worth it and the
-    process's :func:`thread_budget` allows more than one thread; else the serial twin, which
-    starts no thread pool at all."""
-    threads = _threads() if size >= PARALLEL_MIN else 1
+    process's :func:`thread_budget` allows more than one thread (and this is not the overlap
+    thread, see :class:`WireWatch`); else the serial twin, which starts no thread pool."""
+    threads = _threads() if size >= PARALLEL_MIN and not getattr(_SERIAL, "only", False) else 1
     if threads > 1:
         numba.set_num_threads(threads)  # numba keeps this count per calling thread
         kernel[0](*args)
     else:
         kernel[1](*args)
+
+
+# A chunk quantized while earlier chunks are on the wire runs on a worker thread this much
+# nicer than its caller (HVD_GQSGD_OVERLAP_NICE; 0, the default: on the caller)
+OVERLAP_NICE_VAR = "HVD_GQSGD_OVERLAP_NICE"
+DEFAULT_OVERLAP_NICE = 0
+_overlap_worker: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, nice, pool)
+_overlap_lock = threading.Lock()
+_SERIAL = threading.local()  # .only is True on the overlap thread: serial twins only
+
+
+def overlap_nice(environ: Mapping[str, str] = os.environ) -> int:
+    """How much nicer than its caller :class:`WireWatch` quantizes a chunk while earlier
+    chunks are on the wire: ``HVD_GQSGD_OVERLAP_NICE`` (0-19), default 0 (on the calling
+    thread, at its priority).
+
+    What it is for: a chunk is quantized about 10x faster than a 1 Gbit/s link sends it, so
+    the overlap has slack, but the transfer needs CPU too (Open MPI's progress thread
+    busy-polls its sockets, and the kernel runs TCP).  Where every core is busy, quantizing
+    at the same priority takes that CPU from the transfer it should hide behind.  Measured
+    on emulated hosts that share 2 cores (README, "Performance"), 10 made TF's chunked
+    64 MB allreduce faster at 1 Gbit/s and slower at 4 hosts and 10 Gbit/s, where chunks
+    trickle out one at a time instead of being fused; hence off by default."""
+    if OVERLAP_NICE_VAR not in environ:
+        return DEFAULT_OVERLAP_NICE
+    value = environ[OVERLAP_NICE_VAR].strip()
+    if not value.isdigit() or int(value) > 19:
+        raise ValueError(f"{OVERLAP_NICE_VAR}={environ[OVERLAP_NICE_VAR]!r} is not a niceness "
+                         f"increment from 0 to 19; hvd_gqsgd quantizes a chunk that overlaps "
+                         f"earlier chunks' transfer that much nicer than its caller (0: at the "
+                         f"caller's own priority).")
+    return int(value)
+
+
+def _overlap_pool() -> tuple[int, ThreadPoolExecutor | None]:
+    """This process's overlap thread and its niceness increment, started at first use (and
+    again in a forked child, which has the record but not the thread).  Increment 0, or a
+    platform where a thread's niceness is not its own (Linux sets it per thread; elsewhere
+    ``setpriority`` acts on the process): no thread."""
+    global _overlap_worker
+    with _overlap_lock:
+        if _overlap_worker is None or _overlap_worker[0] != os.getpid():
+            nice = overlap_nice() if sys.platform.startswith("linux") else 0
+            pool = ThreadPoolExecutor(1, thread_name_prefix="hvd_gqsgd-overlap")
+            if nice:
+                try:
+                    pool.submit(_start_overlap_thread, nice).result()  # raises if it fails
+                except BaseException:
+                    pool.shutdown(wait=False)
+                    raise
+            _overlap_worker = (os.getpid(), nice, pool)
+        _, nice, pool = _overlap_worker
+    return nice, pool if nice else None
+
+
+def _start_overlap_thread(step: int) -> None:
+    """On the overlap thread: serial kernels only (a serial twin releases the GIL, so the
+    caller's signals and its own take-over run meanwhile), and ``step`` nicer (capped at 19).
+    Raising niceness needs no privilege, so a failure here is unexpected and reported."""
+    _SERIAL.only = True
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + step))
+    except OSError as e:
+        raise RuntimeError(f"hvd_gqsgd could not lower the priority of its overlap thread "
+                           f"({e}); set {OVERLAP_NICE_VAR}=0 to quantize overlapping chunks "
+                           f"at the caller's priority") from e
+
+
+class WireWatch:
+    """One bucket's chunks on the wire during a step, so that a chunk quantized while earlier
+    ones are in flight uses only CPU that their transfer leaves over.
+
+    A chunk is *sent* once its words exist (its Sum allreduce can start) and *back* once its
+    sum has arrived.  :meth:`quantize_pack` codes a later chunk on the overlap thread
+    (:func:`overlap_nice` steps nicer), piece by piece, while some sent chunk is not back.
+    The caller codes the pieces the overlap thread has not taken yet, at its own priority,
+    once the wire is about to run dry: when every sent chunk is back, or earlier, at
+    :meth:`_deadline`, from the first chunk's round trip and coding time (on a fast link
+    that is at once).  An element's code depends on its index only, so which thread codes
+    which piece never changes a bit.
+
+    With :func:`overlap_nice` 0 (the default) it simply quantizes on the calling thread.
+    Counters are per step (:meth:`first`); a tf.function run from two threads at once mixes
+    them, which costs speed, never correctness."""
+
+    PIECES = 16  # per chunk: after a take-over the caller waits for one piece at most
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._started = 0.0  # when this step's first chunk began
+        self._sent: list[float] = []  # when each chunk of this step was sent
+        self._back = 0
+        # Seconds, from the last step that measured them (None: not yet): the first chunk's
+        # quantize at full priority, and its round trip (it goes alone, on an idle wire)
+        self._coding_s: float | None = None
+        self._round_trip_s: float | None = None
+
+    def first(self) -> None:
+        """The bucket's first chunk is about to be quantized: a new step."""
+        with self._cond:
+            self._sent, self._back = [], 0
+            self._started = time.perf_counter()
+
+    def sent(self) -> None:
+        with self._cond:
+            self._sent.append(time.perf_counter())
+            if len(self._sent) == 1:
+                self._coding_s = self._sent[0] - self._started
+
+    def back(self) -> None:
+        with self._cond:
+            self._back += 1
+            if self._back == 1 and self._sent:
+                self._round_trip_s = time.perf_counter() - self._sent[0]
+            self._cond.notify_all()
+
+    def _deadline(self) -> float:
+        """When the caller joins in even though chunks are still out: the wire is expected to
+        run dry one round trip after the last chunk was sent, and the caller alone needs
+        about a first chunk's coding time.  Without both figures (a first step): now."""
+        if self._round_trip_s is None or self._coding_s is None or not self._sent:
+            return 0.0
+        return self._sent[-1] + self._round_trip_s - self._coding_s
+
+    def quantize_pack(self, x: np.ndarray, counts: np.ndarray, mult: np.ndarray, level: int,
+                      bits: int, key: int, words: np.ndarray) -> None:
+        """:func:`quantize_pack` of a later chunk, behind the wire as described above."""
+        _, pool = _overlap_pool()
+        if pool is None:
+            quantize_pack(x, counts, mult, level, bits, key, words)
+            return
+        job = _QuantizeJob(x, counts, mult, level, bits, key, words, pieces=self.PIECES,
+                           shared=True)
+        helper = pool.submit(job.work, True)
+        helper.add_done_callback(self._wake)
+        with self._cond:
+            while not helper.done() and job.front < job.back and self._back < len(self._sent):
+                left = self._deadline() - time.perf_counter()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+        job.work(front=False)  # the wire runs dry: code what the overlap thread has not taken
+        job.finish()
+
+    def _wake(self, _: Any) -> None:
+        with self._cond:
+            self._cond.notify_all()
 
 
 def _offset(bits: int) -> np.uint64:
@@ -362,17 +518,76 @@ def quantize_pack(x: np.ndarray, counts: np.ndarray, mult: np.ndarray, level: in
     Two passes, each a loop simple enough to vectorize: codes (work items of at most BLOCK
     elements inside one tensor, so one multiplier each), then packing, or with byte lanes
     the fix-up of the words that the codes were written into."""
-    seg, item_lo, item_hi = _work_items(counts)
-    item_mult = np.asarray(mult).astype(x.dtype)[seg]
-    lane = _byte_lanes(bits)
-    codes = words.view(lane) if lane else _scratch(words.size * (64 // bits))
-    codes[x.size:] = 0  # padding lanes of the last word: code 0, as in core.pack
-    _run(_codes_pass, x.size, x, item_lo, item_hi, item_mult, x.dtype.type(level),
-         np.uint64(key), codes)
-    if lane:
-        _run(_from_lanes, x.size, words, _flip(bits), _offset(bits))
-    else:
-        _run(_pack_pass, x.size, codes, bits, _offset(bits), words)
+    job = _QuantizeJob(x, counts, mult, level, bits, key, words, pieces=1, shared=False)
+    job.work(front=True)
+    job.finish()
+
+
+class _QuantizeJob:
+    """:func:`quantize_pack` cut into ``pieces`` runs of whole work items, which any threads
+    may claim (from the front or the back) and code in any order: an element's code depends
+    on its own index only, so who codes which piece never changes a bit.  :meth:`finish`
+    packs once every piece is coded.  ``shared``: the int16 codes (when lanes are not whole
+    bytes) go to a buffer of the job's own, not the calling thread's scratch."""
+
+    def __init__(self, x: np.ndarray, counts: np.ndarray, mult: np.ndarray, level: int,
+                 bits: int, key: int, words: np.ndarray, pieces: int, shared: bool) -> None:
+        seg, self.item_lo, self.item_hi = _work_items(counts)
+        self.item_mult = np.asarray(mult).astype(x.dtype)[seg]
+        self.x, self.bits, self.words = x, bits, words
+        self.top, self.key = x.dtype.type(level), np.uint64(key)
+        self.lane = _byte_lanes(bits)
+        n = words.size * (64 // bits)
+        self.codes: np.ndarray
+        if self.lane:
+            self.codes = words.view(self.lane)
+        else:
+            self.codes = host_array(n, np.int16) if shared else _scratch(n)
+        self.codes[x.size:] = 0  # padding lanes of the last word: code 0, as in core.pack
+        self.bounds = np.linspace(0, self.item_lo.size, max(1, pieces) + 1).astype(np.int64)
+        self.front, self.back = 0, len(self.bounds) - 1  # unclaimed pieces: front..back-1
+        self.coded = 0
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+
+    def work(self, front: bool) -> None:
+        """Claim and code pieces, from the front or the back, until none is left."""
+        while True:
+            with self.cond:
+                if self.front == self.back:
+                    return
+                if front:
+                    i, self.front = self.front, self.front + 1
+                else:
+                    self.back -= 1
+                    i = self.back
+            a, b = self.bounds[i], self.bounds[i + 1]
+            try:
+                if b > a:
+                    size = int(self.item_hi[b - 1] - self.item_lo[a])
+                    _run(_codes_pass, size, self.x, self.item_lo[a:b], self.item_hi[a:b],
+                         self.item_mult[a:b], self.top, self.key, self.codes)
+            except BaseException as e:
+                self.error = e  # finish() raises it in the thread that waits for the words
+                raise
+            finally:
+                with self.cond:
+                    self.coded += 1
+                    self.cond.notify_all()
+
+    def finish(self) -> None:
+        """Wait until every piece is coded (by any thread), then pack; a piece's exception,
+        whichever thread met it, is raised here."""
+        with self.cond:
+            while self.coded < len(self.bounds) - 1:
+                self.cond.wait()
+        if self.error is not None:
+            raise self.error
+        if self.lane:
+            _run(_from_lanes, self.x.size, self.words, _flip(self.bits), _offset(self.bits))
+        else:
+            _run(_pack_pass, self.x.size, self.codes, self.bits, _offset(self.bits),
+                 self.words)
 
 
 _SCRATCH = threading.local()  # reused int16 code buffer: a fresh one per call page-faults

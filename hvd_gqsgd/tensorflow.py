@@ -103,6 +103,10 @@ class TensorFlowBackend:
 
     def __init__(self, seed: int | None) -> None:
         self._keys = core.NoiseKeys(seed)  # one key per bucket, drawn when the op runs
+        # In a graph: the chunks of the bucket being traced, and of each traced chunk's Sum
+        # allreduce until its bucket's decoder takes it (kernels.WireWatch)
+        self._watch: kernels.WireWatch | None = None
+        self._watch_of: dict[Any, kernels.WireWatch] = {}
 
     # --- core.TensorOps
     def floor(self, x: Any) -> Any:
@@ -221,17 +225,34 @@ class TensorFlowBackend:
             # chunk's allreduce (all are ready at once), and Horovod fuses them all into one
             # message sent after the last chunk is packed: no overlap at all.
             with tf.control_dependencies([after]):
-                return self.encode(flat, mult, counts, n_levels, bits, rank)
+                return self._encode(flat, mult, counts, n_levels, bits, rank, self._watch,
+                                    first=False)
+        # A bucket's first (or only) chunk; in a graph its later chunks quantize behind it
+        graph = not tf.executing_eagerly() and _fused(flat)
+        self._watch = kernels.WireWatch() if graph else None
+        return self._encode(flat, mult, counts, n_levels, bits, rank, self._watch, first=True)
+
+    def _encode(self, flat: Any, mult: Any, counts: Sequence[int], n_levels: int, bits: int,
+                rank: int, watch: kernels.WireWatch | None, first: bool) -> Any:
         numel = _static_numel(flat)
         if _fused(flat):
-            sizes = np.asarray(counts)
+            sizes, size = np.asarray(counts), core.packed_words(numel, bits)
 
             def run(x: np.ndarray, m: np.ndarray) -> np.ndarray:
-                words = kernels.host_array(core.packed_words(x.size, bits), np.int64)
-                kernels.quantize_pack(x, sizes, m, n_levels, bits, self._keys.next(rank), words)
+                words = kernels.host_array(size, np.int64)
+                args = (x, sizes, m, n_levels, bits, self._keys.next(rank), words)
+                if watch is None:
+                    kernels.quantize_pack(*args)
+                    return words
+                if first:
+                    watch.first()
+                    kernels.quantize_pack(*args)
+                else:
+                    watch.quantize_pack(*args)
+                watch.sent()
                 return words
 
-            return _host(run, [flat, mult], tf.int64, [core.packed_words(numel, bits)])
+            return _host(run, [flat, mult], tf.int64, [size])
         per_element = tf.repeat(tf.cast(mult, flat.dtype), list(counts))
         return core.encode(self, flat, per_element, self._uniform(flat, rank), n_levels, bits)
 
@@ -254,9 +275,12 @@ class TensorFlowBackend:
 
     def decoder(self, words: Any, bits: int, total: int) -> Any:
         chunks = list(words) if isinstance(words, (list, tuple)) else [words]
+        watch = None
+        for chunk in chunks:
+            watch = self._watch_of.pop(chunk.ref(), watch)
         if _fused(chunks[0]):
             # decoded by rescale_bucket (or decode: QSGDAllgather); in a graph chunk by chunk
-            return _Words(chunks, bits)
+            return _Words(chunks, bits, watch)
         return core.unpack(self, self.concat_words(chunks), bits, total)
 
     def decode(self, state: Any, offset: int, like: Any, scale: Any, block: int) -> Any:
@@ -297,8 +321,11 @@ class TensorFlowBackend:
                              ignore_name_scope=True)
 
     def allreduce_sum_async(self, words: Any, name: str, process_set: Any) -> Any:
-        return hvd.allreduce(words, op=hvd.Sum, name=name, process_set=process_set,
-                             ignore_name_scope=True)
+        summed = hvd.allreduce(words, op=hvd.Sum, name=name, process_set=process_set,
+                               ignore_name_scope=True)
+        if self._watch is not None:  # a chunk of the bucket being traced
+            self._watch_of[summed.ref()] = self._watch
+        return summed
 
     def allgather_async(self, tensor: Any, name: str, process_set: Any) -> Any:
         return hvd.allgather(tensor, name=name, process_set=process_set, ignore_name_scope=True)
@@ -344,8 +371,9 @@ class _Words:
     from a copy of just its own words (``QSGDAllgather``, which decodes each rank's slice on
     its own)."""
 
-    def __init__(self, chunks: Sequence[Any], bits: int) -> None:
-        self.chunks, self.bits = list(chunks), bits
+    def __init__(self, chunks: Sequence[Any], bits: int,
+                 watch: kernels.WireWatch | None = None) -> None:
+        self.chunks, self.bits, self.watch = list(chunks), bits, watch
 
     def decode(self, offset: int, numel: int, scale: Any, block: int, compute: Any) -> Any:
         lanes = core.lanes_per_word(self.bits)
@@ -398,12 +426,14 @@ class _Words:
         # buckets' buffers can never be merged as equal expressions.
         buffer = _host(lambda _: kernels.host_array(total, out_dtype), [scales], compute,
                        [total])
-        lanes, start, done = core.lanes_per_word(bits), 0, []
+        lanes, start, done, watch = core.lanes_per_word(bits), 0, [], self.watch
         for words in self.chunks:
             stop = min(total, start + _static_numel(words) * lanes)
 
             def one_chunk(out: np.ndarray, words: np.ndarray, scales: np.ndarray,
                           lo: int = start, hi: int = stop) -> np.ndarray:
+                if watch is not None:  # this chunk is back: the next may be waiting for it
+                    watch.back()
                 if not out.flags.writeable:  # TF hands graph-mode inputs over writeable
                     raise RuntimeError("GlobalQSGD: TensorFlow passed the decode buffer "
                                        "read-only; set chunk_bytes=0 and report this")

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import time
 import warnings
 
 import numba
@@ -269,3 +273,208 @@ def test_run_picks_the_twin_from_size_and_budget(monkeypatch, budget, size, twin
     ran = []
     kernels._run((lambda: ran.append("threaded"), lambda: ran.append("serial")), size)
     assert ran == [twin]
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({}, 0),
+    ({"HVD_GQSGD_OVERLAP_NICE": "0"}, 0),
+    ({"HVD_GQSGD_OVERLAP_NICE": " 19 "}, 19),
+])
+def test_overlap_nice_reads_its_variable(environ, expected):
+    assert kernels.overlap_nice(environ) == expected
+
+
+@pytest.mark.parametrize("value", ["-1", "20", "ten", ""])
+def test_overlap_nice_rejects_a_bad_increment(value):
+    with pytest.raises(ValueError, match="HVD_GQSGD_OVERLAP_NICE=.* is not a niceness "
+                                         "increment from 0 to 19"):
+        kernels.overlap_nice({"HVD_GQSGD_OVERLAP_NICE": value})
+
+
+def _where(out=None) -> tuple[int, int]:
+    """(thread id, niceness) of the thread that runs it; also written into ``out``."""
+    tid = threading.get_native_id()
+    got = (tid, os.getpriority(os.PRIO_PROCESS, tid))
+    if out is not None:
+        out[:] = got
+    return got
+
+
+@pytest.fixture
+def overlap(monkeypatch):
+    """A fresh overlap thread for the test (the module keeps one per process), shut down
+    after it."""
+    monkeypatch.setattr(kernels, "_overlap_worker", None)
+    yield monkeypatch
+    if kernels._overlap_worker is not None:
+        kernels._overlap_worker[2].shutdown()
+
+
+LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                           reason="per-thread niceness is Linux's")
+
+
+def _in_flight(watch: kernels.WireWatch, sent: int, back: int, round_trip: float = 60.0):
+    """A step with ``sent`` chunks out and ``back`` of them back, after a step whose first
+    chunk took ``round_trip`` seconds to come back and no time to code."""
+    watch.first()
+    for _ in range(sent):
+        watch.sent()
+    for _ in range(back):
+        watch.back()
+    watch._round_trip_s, watch._coding_s = round_trip, 0.0
+
+
+def _chunk(bits):
+    """A chunk of three tensors (one odd-sized), its arguments for quantize_pack, and the
+    words quantize_pack gives on the calling thread."""
+    x, counts = _bucket(np.float32, sizes=(5, 3 * kernels.BLOCK + 7, 2 * kernels.BLOCK))[1], \
+        np.array([5, 3 * kernels.BLOCK + 7, 2 * kernels.BLOCK])
+    level = core.levels(bits, 2)
+    mult = level / np.array([4.0, 6.0, 9.0])
+    args = (x, counts, mult, level, bits, 77)
+    want = np.empty(core.packed_words(x.size, bits), np.int64)
+    kernels.quantize_pack(*args, want)
+    return args, want
+
+
+@pytest.fixture
+def coders(monkeypatch):
+    """Record (thread id, niceness) of every piece the codes pass runs on."""
+    seen = []
+    twins = kernels._codes_pass
+
+    def recorded(twin):
+        def run(*args):
+            seen.append(_where())
+            return twin(*args)
+        return run
+
+    monkeypatch.setattr(kernels, "_codes_pass", tuple(recorded(t) for t in twins))
+    return seen
+
+
+@LINUX
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_chunk_behind_a_busy_wire_is_coded_on_a_nicer_thread(overlap, coders, bits):
+    overlap.setenv("HVD_GQSGD_OVERLAP_NICE", "7")
+    args, want = _chunk(bits)
+    watch, (tid, nice) = kernels.WireWatch(), _where()
+    _in_flight(watch, sent=2, back=1)  # one chunk still on the wire
+    words = np.zeros_like(want)
+    coders.clear()
+    watch.quantize_pack(*args, words)
+    np.testing.assert_array_equal(words, want)
+    assert len(coders) == 7  # one piece per work item here (7 items, fewer than PIECES)
+    assert set(coders) == {(coders[0][0], min(19, nice + 7))} and coders[0][0] != tid
+    assert _where() == (tid, nice)  # the caller's own priority is untouched
+
+
+@LINUX
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_caller_codes_the_rest_when_the_wire_runs_dry(overlap, coders, bits):
+    """The overlap thread is held up (a job ahead of it blocks); once every sent chunk is
+    back the caller codes the pieces left, at its own priority: the same words."""
+    overlap.setenv("HVD_GQSGD_OVERLAP_NICE", "7")
+    args, want = _chunk(bits)
+    watch, gate = kernels.WireWatch(), threading.Event()
+    _, pool = kernels._overlap_pool()
+    pool.submit(gate.wait)
+    _in_flight(watch, sent=1, back=0)
+    threading.Timer(0.05, watch.back).start()  # the chunk on the wire arrives
+    words = np.zeros_like(want)
+    coders.clear()
+    watch.quantize_pack(*args, words)
+    gate.set()
+    np.testing.assert_array_equal(words, want)
+    assert coders == [_where()] * 7
+
+
+@LINUX
+@pytest.mark.parametrize("round_trip", [None, 0.05])
+def test_the_caller_joins_in_at_the_deadline(overlap, coders, round_trip):
+    """No chunk comes back and the overlap thread is held up: the caller codes the chunk
+    itself once the wire should have run dry (at once on a first step, which has no
+    figures yet)."""
+    overlap.setenv("HVD_GQSGD_OVERLAP_NICE", "7")
+    args, want = _chunk(8)
+    watch, gate = kernels.WireWatch(), threading.Event()
+    _, pool = kernels._overlap_pool()
+    pool.submit(gate.wait)
+    _in_flight(watch, sent=1, back=0, round_trip=round_trip)
+    if round_trip is None:
+        watch._coding_s = None
+    words = np.zeros_like(want)
+    coders.clear()
+    start = time.perf_counter()
+    watch.quantize_pack(*args, words)
+    waited = time.perf_counter() - start
+    gate.set()
+    np.testing.assert_array_equal(words, want)
+    assert coders == [_where()] * 7
+    assert waited < 0.04 if round_trip is None else waited >= 0.04
+
+
+@LINUX
+def test_the_overlap_threads_exception_is_the_callers(overlap, monkeypatch):
+    overlap.setenv("HVD_GQSGD_OVERLAP_NICE", "7")
+
+    def fail(*args):
+        raise ZeroDivisionError("in a piece")
+
+    args, want = _chunk(8)
+    monkeypatch.setattr(kernels, "_codes_pass", (fail, fail))
+    watch = kernels.WireWatch()
+    _in_flight(watch, sent=1, back=0)
+    with pytest.raises(ZeroDivisionError, match="in a piece"):
+        watch.quantize_pack(*args, np.zeros_like(want))
+
+
+def test_increment_0_codes_on_the_caller(overlap, coders):
+    overlap.setenv("HVD_GQSGD_OVERLAP_NICE", "0")
+    args, want = _chunk(8)
+    watch, words = kernels.WireWatch(), np.zeros_like(want)
+    _in_flight(watch, sent=1, back=0)
+    coders.clear()
+    watch.quantize_pack(*args, words)
+    np.testing.assert_array_equal(words, want)
+    assert coders == [_where()]  # quantize_pack itself: one piece
+
+
+@LINUX
+def test_a_forked_child_starts_its_own_overlap_thread(overlap):
+    """A forked child has the parent's record of the thread but not the thread."""
+    overlap.setenv("HVD_GQSGD_OVERLAP_NICE", "7")
+    gone = kernels.ThreadPoolExecutor(1)
+    gone.shutdown()
+    overlap.setattr(kernels, "_overlap_worker", (os.getpid() + 1, 7, gone))
+    nice, pool = kernels._overlap_pool()
+    assert nice == 7 and pool is not gone and kernels._overlap_worker[0] == os.getpid()
+
+
+@LINUX
+def test_a_failed_renice_is_reported(overlap):
+    def refuse(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    overlap.setenv("HVD_GQSGD_OVERLAP_NICE", "7")
+    overlap.setattr(kernels.os, "setpriority", refuse)
+    overlap.setattr(kernels, "_SERIAL", threading.local())
+    with pytest.raises(RuntimeError, match="could not lower the priority.*"
+                                           "HVD_GQSGD_OVERLAP_NICE=0"):
+        kernels._overlap_pool()
+    assert kernels._overlap_worker is None  # nothing half made is kept
+
+
+@LINUX
+def test_the_overlap_thread_runs_serial_twins_only(overlap, monkeypatch):
+    """There a twin that releases the GIL (the serial one), so the caller's signals and its
+    take-over are not held up behind it."""
+    overlap.setenv("HVD_GQSGD_OVERLAP_NICE", "7")
+    monkeypatch.setattr(kernels, "_budget", 2)
+    ran = []
+    twins = (lambda: ran.append("threaded"), lambda: ran.append("serial"))
+    _, pool = kernels._overlap_pool()
+    pool.submit(kernels._run, twins, kernels.PARALLEL_MIN).result()
+    kernels._run(twins, kernels.PARALLEL_MIN)
+    assert ran == ["serial", "threaded"]

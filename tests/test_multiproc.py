@@ -232,6 +232,15 @@ def test_per_block_scales_sum_exactly(ranks):
     assert stats["last_overhead"] == core.scale_exchange_bytes(blocks) + 2 * core.PROBE_BYTES
 
 
+def test_tf_chunks_sum_exactly_behind_a_niced_overlap_thread(tmp_path):
+    """With HVD_GQSGD_OVERLAP_NICE set, TF's later chunks inside tf.function are quantized
+    on the overlap thread (kernels.WireWatch), with real collectives: the chunk scenarios
+    above still sum exactly, bit-identical on every rank."""
+    res = launch(WORKERS["tf"], "gloo", 2, tmp_path, env={"HVD_GQSGD_OVERLAP_NICE": "10"})
+    test_chunked_sends_sum_exactly_and_stay_within_one_step(res)
+    test_per_block_scales_sum_exactly(res)
+
+
 def test_unsupported_ops_and_too_few_bits_raise(ranks):
     n = len(ranks)
     for r in ranks:

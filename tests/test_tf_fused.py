@@ -163,6 +163,41 @@ def test_rescale_a_bucket_sent_in_chunks(mode, bits, block, chunk_bytes):
                                       want[lo:lo + numels[i]].astype(np.float32))
 
 
+@pytest.mark.parametrize("nice", ["0", "7"])
+def test_later_chunks_in_a_graph_quantize_behind_the_wire(monkeypatch, nice):
+    """Inside tf.function a bucket's chunks after the first go through its WireWatch (the
+    first one finds the wire idle), on the overlap thread when HVD_GQSGD_OVERLAP_NICE asks
+    for one; the words are bit for bit the eager ones, quantized on TF's own thread."""
+    monkeypatch.setenv("HVD_GQSGD_OVERLAP_NICE", nice)
+    monkeypatch.setattr(kernels, "_overlap_worker", None)
+    behind = []
+    quantize_pack = kernels.WireWatch.quantize_pack
+
+    def spy(self, *args):
+        behind.append(args[-1].size)  # the chunk's words
+        return quantize_pack(self, *args)
+
+    monkeypatch.setattr(kernels.WireWatch, "quantize_pack", spy)
+    bits, level, n = 8, core.levels(8, 2), 64
+    x = tf.constant(np.random.default_rng(3).normal(size=3 * n), tf.float32)
+    mult = tf.constant([level / 4.0, level / 3.0, level / 2.0], tf.float64)
+
+    def chain(ops, x):
+        words, sent = None, []
+        for i in range(3):
+            words = ops.encode(x[i * n:(i + 1) * n], mult[i:i + 1], [n], level, bits, RANK,
+                               after=words)
+            sent.append(words)
+        return sent
+
+    graph = tf.function(lambda x: chain(_backend(), x), autograph=False)(x)
+    assert behind == [n // 8, n // 8]  # chunks 1 and 2, 8 codes per word
+    eager = chain(_backend(), x)
+    assert len(behind) == 2
+    for g, e in zip(graph, eager):
+        np.testing.assert_array_equal(g.numpy(), e.numpy())
+
+
 @pytest.mark.parametrize("path", ["fused", "generic"])
 def test_graph_holds_no_stateful_op(path, monkeypatch):
     if path == "generic":  # the TF-ops path GPU tensors take
