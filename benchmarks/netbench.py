@@ -46,10 +46,17 @@ WORKERS = {"torch": ("allreduce_worker.py", "train_worker.py"),
            "tf": ("allreduce_worker_tf.py", "train_worker_tf.py")}
 
 
+def plugin_env() -> dict[str, str]:
+    """This process's ``HVD_GQSGD_*`` settings (e.g. ``HVD_GQSGD_OVERLAP_NICE``), which every
+    rank gets: mpirun passes a rank only the variables it is told to."""
+    return {k: v for k, v in os.environ.items() if k.startswith("HVD_GQSGD_")}
+
+
 def run_job(hosts: int, rate: str, worker: str, *args: str) -> list[dict]:
     with EmulatedHosts(hosts, rate=rate) as net:
         proc = net.mpirun([sys.executable, str(ROOT / "benchmarks" / worker), *args],
-                          env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, timeout=900)
+                          env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **plugin_env()},
+                          timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark job failed ({hosts} hosts, {rate}):\n"
                            f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -239,7 +246,8 @@ def run(args: argparse.Namespace) -> None:
         f"median of {args.repeats} runs of the slowest rank. All hosts share this machine's "
         "2 cores, so compute-heavy rows are pessimistic. Model: see benchmarks/netbench.py."
         + (f" {args.busy} other process(es) spun at niceness {args.busy_nice} throughout "
-           "(`--busy`)." if args.busy else ""),
+           "(`--busy`)." if args.busy else "")
+        + "".join(f" Every rank ran with `{k}={v}`." for k, v in sorted(plugin_env().items())),
         "",
         *table(results, args.mb),
         "",

@@ -54,3 +54,14 @@ def test_busy_loops_spin_at_the_niceness_asked_and_stop_on_exit() -> None:
             assert proc.poll() is None
             assert os.getpriority(os.PRIO_PROCESS, proc.pid) == min(19, own + 5)
     assert all(proc.poll() is not None for proc in procs)
+
+
+def test_the_plugins_settings_reach_every_rank(monkeypatch) -> None:
+    """mpirun hands a rank only the variables it is told to, so netbench forwards this
+    process's HVD_GQSGD_* settings (and nothing else of its environment)."""
+    for name in [k for k in os.environ if k.startswith("HVD_GQSGD_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HVD_GQSGD_OVERLAP_NICE", "10")
+    monkeypatch.setenv("HVD_GQSGD_KERNELS", "0")
+    monkeypatch.setenv("NOT_HVD_GQSGD_X", "1")
+    assert netbench.plugin_env() == {"HVD_GQSGD_OVERLAP_NICE": "10", "HVD_GQSGD_KERNELS": "0"}
