@@ -291,13 +291,10 @@ def test_overlap_nice_rejects_a_bad_increment(value):
         kernels.overlap_nice({"HVD_GQSGD_OVERLAP_NICE": value})
 
 
-def _where(out=None) -> tuple[int, int]:
-    """(thread id, niceness) of the thread that runs it; also written into ``out``."""
+def _where() -> tuple[int, int]:
+    """(thread id, niceness) of the calling thread."""
     tid = threading.get_native_id()
-    got = (tid, os.getpriority(os.PRIO_PROCESS, tid))
-    if out is not None:
-        out[:] = got
-    return got
+    return tid, os.getpriority(os.PRIO_PROCESS, tid)
 
 
 @pytest.fixture
@@ -328,8 +325,8 @@ def _in_flight(watch: kernels.WireWatch, sent: int, back: int, round_trip: float
 def _chunk(bits):
     """A chunk of three tensors (one odd-sized), its arguments for quantize_pack, and the
     words quantize_pack gives on the calling thread."""
-    x, counts = _bucket(np.float32, sizes=(5, 3 * kernels.BLOCK + 7, 2 * kernels.BLOCK))[1], \
-        np.array([5, 3 * kernels.BLOCK + 7, 2 * kernels.BLOCK])
+    sizes = (5, 3 * kernels.BLOCK + 7, 2 * kernels.BLOCK)  # 7 work items
+    x, counts = _bucket(np.float32, sizes=sizes)[1], np.array(sizes)
     level = core.levels(bits, 2)
     mult = level / np.array([4.0, 6.0, 9.0])
     args = (x, counts, mult, level, bits, 77)
