@@ -315,7 +315,8 @@ def _run(kernel, size: int, *args) -> None:
 # nicer than its caller (HVD_GQSGD_OVERLAP_NICE; 0, the default: on the caller)
 OVERLAP_NICE_VAR = "HVD_GQSGD_OVERLAP_NICE"
 DEFAULT_OVERLAP_NICE = 0
-_overlap_worker: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, nice, pool)
+# (pid, nice, pool); no pool when nice is 0
+_overlap_worker: tuple[int, int, ThreadPoolExecutor | None] | None = None
 _overlap_lock = threading.Lock()
 _SERIAL = threading.local()  # .only is True on the overlap thread: serial twins only
 
@@ -352,8 +353,9 @@ def _overlap_pool() -> tuple[int, ThreadPoolExecutor | None]:
     with _overlap_lock:
         if _overlap_worker is None or _overlap_worker[0] != os.getpid():
             nice = overlap_nice() if sys.platform.startswith("linux") else 0
-            pool = ThreadPoolExecutor(1, thread_name_prefix="hvd_gqsgd-overlap")
+            pool = None
             if nice:
+                pool = ThreadPoolExecutor(1, thread_name_prefix="hvd_gqsgd-overlap")
                 try:
                     pool.submit(_start_overlap_thread, nice).result()  # raises if it fails
                 except BaseException:
@@ -361,7 +363,7 @@ def _overlap_pool() -> tuple[int, ThreadPoolExecutor | None]:
                     raise
             _overlap_worker = (os.getpid(), nice, pool)
         _, nice, pool = _overlap_worker
-    return nice, pool if nice else None
+    return nice, pool
 
 
 def _start_overlap_thread(step: int) -> None:

@@ -303,7 +303,7 @@ def overlap(monkeypatch):
     after it."""
     monkeypatch.setattr(kernels, "_overlap_worker", None)
     yield monkeypatch
-    if kernels._overlap_worker is not None:
+    if kernels._overlap_worker is not None and kernels._overlap_worker[2] is not None:
         kernels._overlap_worker[2].shutdown()
 
 
