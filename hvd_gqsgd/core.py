@@ -38,7 +38,7 @@ import itertools
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 __all__ = [
@@ -73,6 +73,21 @@ __all__ = [
     "multipliers",
     "step_sizes",
     "layout_fingerprint",
+    "shard_plan",
+    "MAX_LANE_BITS",
+    "MAX_CODE",
+    "AUTO_MIN_LEVELS",
+    "flat_levels",
+    "use_two_stage",
+    "two_stage_bits",
+    "two_stage_levels",
+    "TwoStagePlan",
+    "two_stage_plan",
+    "MessageLayout",
+    "message_layout",
+    "stage_two_multipliers",
+    "requantize",
+    "stage_two_steps",
 ]
 
 MIN_BITS = 2
@@ -140,6 +155,19 @@ class Chunk:
     first: int
     stop: int
     counts: tuple[int, ...]
+
+
+def shard_plan(counts: Sequence[int], bits: int, parts: int) -> list[Chunk]:
+    """The bucket's ``parts`` shards for a reduce-scatter of its ``bits``-lane words: chunks
+    (:func:`chunk_plan`) of ``ceil(words / parts)`` whole words each, the last one shorter,
+    padded with empty shards when the bucket has fewer words than ``parts``.  Shard
+    boundaries are word boundaries, so the shards' words concatenate to the bucket's words,
+    and every scale segment that a boundary cuts becomes two *parts* (``Chunk.counts``)."""
+    total = sum(counts)
+    per_shard = -(-packed_words(total, bits) // parts)
+    plan = chunk_plan(counts, bits, per_shard * (WORD_BITS // 8))
+    empty = Chunk(total, total, len(counts), len(counts), ())
+    return plan + [empty] * (parts - len(plan))
 
 
 def segments(numels: Sequence[int], block: int) -> tuple[list[int], list[int]]:
@@ -251,6 +279,11 @@ class Settings:
             allreduce per bucket; None = the adapter's choice, see ``AUTO_CHUNK_BYTES``).
         hierarchical: sum in full precision inside each node and quantize only across
             nodes, so ``levels`` counts nodes, not ranks (:mod:`hvd_gqsgd.hierarchical`).
+        two_stage: ``True``: sum the codes in a reduce-scatter with lanes wide enough for
+            ``levels(bits, 1)`` levels per rank, requantize each shard once and allgather it
+            (:mod:`hvd_gqsgd.two_stage`); ``False``: flat Global-QSGD; ``None``: two-stage
+            where flat would leave fewer than ``AUTO_MIN_LEVELS`` levels
+            (:func:`use_two_stage`).
     """
 
     bits: int = 8
@@ -260,6 +293,7 @@ class Settings:
     chunk_bytes: int | None = DEFAULT_CHUNK_BYTES
     scale_block: int = DEFAULT_SCALE_BLOCK
     hierarchical: bool = False
+    two_stage: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, int):
@@ -293,6 +327,13 @@ class Settings:
                 f"{self.scale_block!r}")
         if not isinstance(self.hierarchical, bool):
             raise ValueError(f"hierarchical must be True or False, got {self.hierarchical!r}")
+        if self.two_stage is not None and not isinstance(self.two_stage, bool):
+            raise ValueError(f"two_stage must be True, False or None (chosen by world size), "
+                             f"got {self.two_stage!r}")
+        if self.two_stage and self.chunk_bytes:
+            raise ValueError(
+                f"two_stage=True sends each bucket as one reduce-scatter and one allgather, not "
+                f"in chunks; got chunk_bytes={self.chunk_bytes}: use chunk_bytes=None or 0")
         if self.hierarchical and self.chunk_bytes:
             raise ValueError(
                 f"hierarchical=True sends each bucket as one shard per rank, not in chunks; "
@@ -447,3 +488,190 @@ def layout_fingerprint(numels: Sequence[int], dtypes: Sequence[str]) -> float:
     """
     text = ",".join(f"{n}:{d}" for n, d in zip(numels, dtypes)).encode()
     return float(int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 12)
+
+
+
+# --------------------------------------------------------------------------- two-stage
+
+
+MAX_LANE_BITS = 32
+"""Widest lane of a two-stage reduce-scatter word (2 lanes per int64 word)."""
+MAX_CODE = (1 << 15) - 1
+"""Largest code magnitude: the kernels hold codes in int16, so stage-1 levels stop here."""
+AUTO_MIN_LEVELS = 15
+"""``two_stage=None`` runs two-stage Global-QSGD wherever flat Global-QSGD would leave a rank
+fewer levels per sign than this (8 bits: from 9 ranks on; 4 bits: always)."""
+
+
+def flat_levels(bits: int, world_size: int) -> int:
+    """:func:`levels` without the error: 0 where ``bits`` is too narrow for ``world_size``."""
+    return max(0, ((1 << (bits - 1)) - 1) // world_size)
+
+
+def use_two_stage(two_stage: bool | None, bits: int, world_size: int) -> bool:
+    """Whether a bucket summed over ``world_size`` ranks (nodes, with ``hierarchical``) goes
+    two-stage: as asked, or with ``None`` where flat levels fall below AUTO_MIN_LEVELS."""
+    if two_stage is not None:
+        return two_stage
+    return world_size > 1 and flat_levels(bits, world_size) < AUTO_MIN_LEVELS
+
+
+def two_stage_bits(bits: int, world_size: int) -> int:
+    """Lane width ``w`` of the two-stage reduce-scatter for ``world_size`` ranks.
+
+    The narrowest ``w`` with ``levels(w, n) >= levels(bits, 1)``, so that every rank keeps the
+    levels it would have alone at ``bits`` (``w <= bits + ceil(log2 n)``), then widened to the
+    widest lane with as many lanes per word: the extra bits of a word are free levels (8 bits
+    at 8 ranks: 11 bits are needed, 5 lanes fit either way, so 12-bit lanes and 255 levels).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    need, width = levels(bits, 1), bits
+    while flat_levels(width, world_size) < need:
+        width += 1
+    if width > MAX_LANE_BITS:
+        raise ValueError(
+            f"two-stage GlobalQSGD(bits={bits}) at world size {world_size} needs {width}-bit "
+            f"lanes in its reduce-scatter; at most {MAX_LANE_BITS} fit an int64 word twice. "
+            f"Use fewer bits or hierarchical=True (lanes then count nodes).")
+    return WORD_BITS // lanes_per_word(width)
+
+
+def two_stage_levels(bits: int, world_size: int) -> int:
+    """Stage-1 levels per sign ``L1 = levels(two_stage_bits(bits, n), n)``, at most MAX_CODE:
+    the sum of ``n`` codes in ``[-L1, L1]`` fits a lane of :func:`two_stage_bits`."""
+    return min(levels(two_stage_bits(bits, world_size), world_size), MAX_CODE)
+
+
+@dataclass(frozen=True)
+class TwoStagePlan:
+    """How one bucket travels in two-stage Global-QSGD over ``world_size`` ranks
+    (:mod:`hvd_gqsgd.two_stage` has the algorithm).
+
+    Stage 1: each rank packs its codes (``levels1`` per sign) into ``lane_bits``-wide lanes
+    and pads them to ``scatter_words``; a Sum reduce-scatter leaves rank ``r`` the exact lane
+    sums of ``shards[r]`` (``shard_words`` words; its elements, segments and *parts*: its
+    scale segments, cut at the shard's edges).  Stage 2: rank ``r`` requantizes its sums to
+    ``levels2`` per sign in ``bits``-wide lanes and sends ``message_words``: ``code_words``
+    words of codes, then ``part_slots`` words, one per part holding the part's max |sum| as
+    an int64 (zeros past its own parts).  An allgather gives every rank every message.
+    """
+
+    world_size: int
+    bits: int
+    lane_bits: int
+    levels1: int
+    levels2: int
+    shard_words: int
+    shards: tuple[Chunk, ...]
+    code_words: int
+    part_slots: int
+
+    @property
+    def total(self) -> int:
+        return self.shards[-1].hi
+
+    @property
+    def scatter_words(self) -> int:
+        """int64 words each rank hands the reduce-scatter (its codes, zero-padded)."""
+        return self.world_size * self.shard_words
+
+    @property
+    def message_words(self) -> int:
+        return self.code_words + self.part_slots
+
+    @property
+    def gather_words(self) -> int:
+        """int64 words each rank receives from the allgather (every rank's message)."""
+        return self.world_size * self.message_words
+
+    def wire_bytes(self) -> int:
+        """Bytes of the Sum allreduce that moves as much per rank as both phases do: a ring
+        reduce-scatter moves ``(n-1)/n`` of its input, an allgather ``(n-1)/n`` of its output
+        and an allreduce of ``B`` bytes ``2(n-1)/n B``, so ``(scatter + gather) / 2`` words."""
+        return 4 * (self.scatter_words + self.gather_words)
+
+
+def two_stage_plan(counts: Sequence[int], world_size: int, bits: int) -> TwoStagePlan:
+    """The :class:`TwoStagePlan` of a bucket whose scale segments hold ``counts`` elements."""
+    width = two_stage_bits(bits, world_size)
+    shards = shard_plan(counts, width, world_size)
+    per_shard = -(-packed_words(sum(counts), width) // world_size)
+    return TwoStagePlan(
+        world_size=world_size, bits=bits, lane_bits=width,
+        levels1=two_stage_levels(bits, world_size), levels2=levels(bits, 1),
+        shard_words=per_shard, shards=tuple(shards),
+        code_words=packed_words(per_shard * lanes_per_word(width), bits),
+        part_slots=max(len(s.counts) for s in shards))
+
+
+@dataclass(frozen=True, eq=False)
+class MessageLayout:
+    """Where each part of a two-stage bucket lies in the words every rank gathered.
+
+    Parts (scale segments cut at shard edges) in bucket order: part ``p`` holds ``counts[p]``
+    elements of segment ``segments[p]``, its first code is lane ``lanes[p]`` (``bits``-wide
+    lanes counted over all gathered words) and its max |sum| is word ``slots[p]``.  Segment
+    ``g`` owns parts ``first[g]:first[g + 1]``.  ``derived`` caches what an adapter computes
+    from the layout once (index tensors, kernel work items)."""
+
+    bits: int
+    levels2: int
+    words: int
+    counts: tuple[int, ...]
+    segments: tuple[int, ...]
+    lanes: tuple[int, ...]
+    slots: tuple[int, ...]
+    first: tuple[int, ...]
+    derived: dict = field(default_factory=dict, repr=False)
+
+
+def message_layout(blocks: Sequence[tuple[TwoStagePlan, int, int]], words: int,
+                   n_segments: int) -> MessageLayout:
+    """The :class:`MessageLayout` of ``words`` gathered words holding, for each
+    ``(plan, word_offset, segment_offset)`` of ``blocks`` (in bucket order), ``plan``'s
+    messages from word ``word_offset`` on, its segment ``k`` being the bucket's segment
+    ``segment_offset + k``.  Flat two-stage has one block; hierarchical one per node shard."""
+    counts, segs, lanes, slots = [], [], [], []
+    bits = blocks[0][0].bits
+    k_lanes = lanes_per_word(bits)
+    for plan, word_offset, segment_offset in blocks:
+        for r, shard in enumerate(plan.shards):
+            base = word_offset + r * plan.message_words
+            lane = base * k_lanes
+            for p, count in enumerate(shard.counts):
+                counts.append(count)
+                segs.append(segment_offset + shard.first + p)
+                lanes.append(lane)
+                slots.append(base + plan.code_words + p)
+                lane += count
+    first = [0] * (n_segments + 1)
+    for g in segs:
+        first[g + 1] += 1
+    first = list(itertools.accumulate(first))
+    return MessageLayout(bits=bits, levels2=blocks[0][0].levels2, words=words,
+                         counts=tuple(counts), segments=tuple(segs), lanes=tuple(lanes),
+                         slots=tuple(slots), first=tuple(first))
+
+
+def stage_two_multipliers(ops: TensorOps, part_max: Any, bits: int) -> Any:
+    """Per part ``L2 / max|sum|`` (0 for an all-zero part), ``L2 = levels(bits, 1)``: the
+    multiplier that requantizes a shard's exact lane sums (:func:`requantize`).  Every
+    ``|sum| <= max|sum|``, so codes stay in ``[-L2, L2]`` and nothing clamps: unbiased."""
+    return multipliers(ops, part_max, levels(bits, 1))
+
+
+def requantize(ops: TensorOps, sums: Any, mult: Any, noise: Any, bits: int) -> Any:
+    """Stage 2, generic path: a shard's exact lane sums (float64 holding integers, so ``sums
+    * mult`` is rounded once, as in the kernels) times their part's
+    :func:`stage_two_multipliers` (per element), rounded without bias to ``levels(bits, 1)``
+    levels and packed in ``bits``-wide lanes.  :func:`hvd_gqsgd.kernels.quantize_pack` on
+    the same float64 sums is its fused twin, bit for bit."""
+    return encode(ops, sums, mult, noise, levels(bits, 1), bits)
+
+
+def stage_two_steps(part_max: Any, steps1: Any, bits: int) -> Any:
+    """Per part, the value of one stage-2 code: ``max|sum| / L2`` (in units of one summed
+    stage-1 code) times ``s / L1`` of the part's segment (:func:`step_sizes` with L1; NaN for
+    a non-finite scale, which poisons the part as in flat Global-QSGD)."""
+    return part_max / levels(bits, 1) * steps1

@@ -147,12 +147,13 @@ if numba is not None:
         # and H = sum half 2^(bits k).  Each q_k + half lies in [1, 2^bits - 1], so U is a
         # plain bit-field word (no carries) built with shifts and ORs; W = U - H mod 2^64 is
         # exactly core.pack's word.
+        # int64 arithmetic: two-stage lanes are up to 32 bits wide (half = 2**31)
         lanes = numba.uint64(64 // bits)
-        half = numba.int32(1) << (bits - 1)
+        half = numba.int64(1) << numba.int64(bits - 1)
         for j in range(numba.uint64(j0), numba.uint64(j0 + count)):  # unsigned: see _pairs
             u = numba.uint64(0)
             for k in range(lanes):
-                u |= numba.uint64(numba.int32(codes[j * lanes + k]) + half) << numba.uint64(
+                u |= numba.uint64(numba.int64(codes[j * lanes + k]) + half) << numba.uint64(
                     bits * k)
             words[j] = numba.int64(u - offset)
 
@@ -230,6 +231,31 @@ if numba is not None:
                     out[t] = numba.float64(lanes[numba.uint64(start) + t]) * scale
                 lo = end
 
+    def _decode_items(words, bits, offset, item_lane, item_out, item_count, item_scale,
+                      out):
+        # Two-stage messages (see Messages): item i is item_count[i] consecutive codes, one
+        # scale, whose first is lane item_lane[i] of the words (lanes counted over all of
+        # them) and whose values go to out[item_out[i]:...].  The codes are one rank's, never
+        # summed, but packed in the same signed-digit form, so U = W + H exposes them as
+        # plain fields (see _unpack_scale); the product is formed in float64 and rounded once
+        # on the store, as in _scale_lanes.
+        lanes = numba.int64(64 // bits)
+        half = numba.int64(1) << numba.int64(bits - 1)
+        mask = numba.uint64((1 << bits) - 1)
+        for i in numba.prange(item_lane.size):
+            j = item_lane[i] // lanes
+            k = item_lane[i] - j * lanes
+            o, end = item_out[i], item_out[i] + item_count[i]
+            scale = numba.float64(item_scale[i])
+            while o < end:
+                u = numba.uint64(words[j]) + offset
+                stop = min(end, o + lanes - k)
+                for t in range(o, stop):
+                    field = (u >> numba.uint64(bits * k)) & mask
+                    out[t] = numba.float64(numba.int64(field) - half) * scale
+                    k += 1
+                o, j, k = stop, j + 1, 0
+
     def _twin(fn):
         """Compile ``fn`` twice: threaded for big inputs, serial for small ones (a threaded
         launch costs about 1 ms, more than a small tensor's whole work).  The serial twin
@@ -246,6 +272,7 @@ if numba is not None:
     _from_lanes = _twin(_from_lanes)
     _to_lanes = _twin(_to_lanes)
     _scale_lanes = _twin(_scale_lanes)
+    _decode_items = _twin(_decode_items)
 
 
 # ranks that launchers start on one host: Open MPI, horovodrun (Gloo), torchrun, MPICH/Hydra
@@ -718,3 +745,57 @@ class Summed:
         else:
             _run(_unpack_scale, out.size, self.words, self.bits, start, out, scales, block,
                  _offset(self.bits))
+
+
+def lane_sums(words: np.ndarray, bits: int, out: np.ndarray) -> None:
+    """The exact lane sums of summed ``bits``-lane words into ``out`` (float64, which holds
+    every lane sum exactly: they are below 2**31).  Rewrites ``words`` (see :class:`Summed`)."""
+    if out.size:
+        Summed(words, bits).unpack_scale(0, out, 1.0)
+
+
+class Messages:
+    """A two-stage bucket's gathered messages, decoded a tensor at a time: the twin of
+    :class:`Summed` for :mod:`hvd_gqsgd.two_stage`, laid out by a
+    :class:`hvd_gqsgd.core.MessageLayout`.  It only reads the words."""
+
+    def __init__(self, words: np.ndarray, layout: Any) -> None:
+        self.words, self.layout = words, layout
+        items = layout.derived.get("kernel_items")
+        if items is None:
+            items = layout.derived["kernel_items"] = _message_items(layout)
+        self.items = items
+
+    def part_max(self) -> np.ndarray:
+        """Every part's max |sum|, from its slot, as float64 (exact: below 2**31)."""
+        return self.words[self.items[5]].astype(np.float64)
+
+    def unpack_parts(self, p0: int, p1: int, out: np.ndarray, scales: np.ndarray,
+                     start: int) -> None:
+        """Parts ``p0 .. p1`` (consecutive elements of the bucket, the first being bucket
+        element ``start``) into ``out``: each code times its part's entry of ``scales``
+        (``p1 - p0`` values, taken in ``out``'s dtype)."""
+        part, lane, pos, count, first, _ = self.items
+        a, b = first[p0], first[p1]
+        if a == b:
+            return
+        item_scale = np.asarray(scales).astype(out.dtype)[part[a:b] - p0]
+        bits = self.layout.bits
+        _run(_decode_items, out.size, self.words, bits, _offset(bits), lane[a:b],
+             pos[a:b] - start, count[a:b], item_scale, out)
+
+
+def _message_items(layout: Any) -> tuple[np.ndarray, ...]:
+    """Work items of at most BLOCK codes inside one part: (part, first lane, first bucket
+    element, count) per item, each part's first item (plus a final entry), and the parts'
+    slot words."""
+    counts = np.asarray(layout.counts, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    pieces = -(-counts // BLOCK)
+    part = np.repeat(np.arange(counts.size, dtype=np.int64), pieces)
+    first = np.concatenate([[0], np.cumsum(pieces)]).astype(np.int64)
+    offset = (np.arange(part.size, dtype=np.int64) - first[part]) * BLOCK
+    lane = np.asarray(layout.lanes, dtype=np.int64)[part] + offset
+    count = np.minimum(BLOCK, counts[part] - offset)
+    slots = np.asarray(layout.slots, dtype=np.int64)
+    return part, lane, starts[part] + offset, count, first, slots
