@@ -119,11 +119,11 @@ class GlobalQSGD:
     def __init__(self, bits: int = 8, norm: str = "max", seed: int | None = None,
                  process_set: Any = None, bucket_bytes: int = 0,
                  chunk_bytes: int | None = core.DEFAULT_CHUNK_BYTES,
-                 scale_block: int = core.DEFAULT_SCALE_BLOCK, hierarchical: bool = False
-                 ) -> None:
+                 scale_block: int = core.DEFAULT_SCALE_BLOCK, hierarchical: bool = False,
+                 two_stage: bool | None = None) -> None:
         self.settings = core.Settings(bits=bits, norm=norm, seed=seed, bucket_bytes=bucket_bytes,
                                       chunk_bytes=chunk_bytes, scale_block=scale_block,
-                                      hierarchical=hierarchical)
+                                      hierarchical=hierarchical, two_stage=two_stage)
         self.process_set = process_set
         self._uid = next(GlobalQSGD._instances)
         self._engines: dict[str, Engine] = {}  # framework name -> its engine
@@ -135,7 +135,8 @@ class GlobalQSGD:
         s = self.settings
         return (f"GlobalQSGD(bits={s.bits}, norm={s.norm!r}, seed={s.seed!r}, "
                 f"scale_block={s.scale_block}"
-                + (", hierarchical=True)" if s.hierarchical else ")"))
+                + (", hierarchical=True" if s.hierarchical else "")
+                + (f", two_stage={s.two_stage})" if s.two_stage is not None else ")"))
 
     def compress(self, tensor: Any) -> tuple[Any, Any]:
         """Horovod compressor hook.  Queues ``tensor`` and returns ``(probe, ctx)``."""

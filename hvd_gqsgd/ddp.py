@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 
 from . import core, kernels
+from . import two_stage as _two_stage
 from .engine import FIGURES, Stats
-from .torch_ops import TorchOps, host_empty
+from .torch_ops import TorchLocal, TorchOps, host_empty
 
 __all__ = ["GlobalQSGDState", "global_qsgd_hook"]
 
@@ -96,7 +97,12 @@ class GlobalQSGDState:
             this size, each launched as soon as it is packed and unpacked as soon as it
             arrives, so packing and unpacking overlap the wire.  ``None`` (default): 2 MiB
             chunks (``core.AUTO_CHUNK_BYTES``, 8 MB of fp32 gradient at ``bits=8``) on CPU,
-            one all_reduce per bucket on CUDA; 0: one all_reduce per bucket.
+            one all_reduce per bucket on CUDA; 0: one all_reduce per bucket.  Flat only.
+        two_stage: ``True``: two-stage Global-QSGD (:mod:`hvd_gqsgd.two_stage`): codes in
+            wide lanes summed by a reduce-scatter, each shard requantized to ``bits`` and
+            all-gathered, so every rank keeps ``2**(bits-1) - 1`` levels at any group size;
+            ``False``: flat; ``None`` (default): two-stage where flat would leave fewer than
+            15 levels (8 bits: from 9 ranks on).  See :func:`global_qsgd_hook`.
 
     Checkpointing: the state pickles (``torch.save``) without its process group, like
     ``PowerSGDState``; a loaded state uses the default group (set ``process_group`` after
@@ -104,15 +110,17 @@ class GlobalQSGDState:
     checkpoint loaded on every rank still gives independent noise.
     """
 
-    _TRANSIENT = ("process_group", "_key_base", "_layouts", "_generators", "_lock", "_step")
+    _TRANSIENT = ("process_group", "_key_base", "_layouts", "_generators", "_lock", "_step",
+                  "_local", "_pending")
 
     def __init__(self, process_group: Any = None, bits: int = 8, norm: str = "max",
                  seed: int | None = None,
                  scale_block: int = core.DEFAULT_SCALE_BLOCK,
-                 chunk_bytes: int | None = core.DEFAULT_CHUNK_BYTES) -> None:
+                 chunk_bytes: int | None = core.DEFAULT_CHUNK_BYTES,
+                 two_stage: bool | None = None) -> None:
         # settings: validated once, immutable
         self.settings = core.Settings(bits=bits, norm=norm, seed=seed, scale_block=scale_block,
-                                      chunk_bytes=chunk_bytes)
+                                      chunk_bytes=chunk_bytes, two_stage=two_stage)
         self.process_group = process_group
         # cumulative figures, one round per DDP step (engine.Stats: bytes and seconds)
         self.stats = Stats()
@@ -120,8 +128,10 @@ class GlobalQSGDState:
         # (seed, rank) at the first bucket, the serial survives checkpoints
         self._key_serial = 0
         self._reset_transient()
-        if process_group is not None or dist.is_initialized():
-            core.levels(bits, self._group_size())  # fail at construction, not in backward
+        if process_group is not None or dist.is_initialized():  # fail here, not in backward
+            size = self._group_size()
+            if not _two_stage.chosen(self.settings, size):
+                core.levels(bits, size)
 
     def _reset_transient(self) -> None:
         self._key_base: int | None = None
@@ -129,6 +139,10 @@ class GlobalQSGDState:
         self._generators: dict[torch.device, torch.Generator] = {}  # generic path only
         self._lock = threading.Lock()  # guards _step: decodes run on the backend's threads
         self._step = _Step()
+        # two-stage: the local steps (TorchLocal: kernels or torch ops, this state's noise
+        # keys), and the buckets whose reduce-scatter is in flight, finished by the next hook
+        self._local = TorchLocal(self.settings.seed, keys=self)
+        self._pending: list[_TwoStageBucket] = []
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k not in self._TRANSIENT}
@@ -147,6 +161,11 @@ class GlobalQSGDState:
                              "process_group: build the state (and DDP) "
                              "only on the group's ranks")
         return size
+
+    def next(self, rank: int) -> int:
+        """The noise-key stream interface of :class:`hvd_gqsgd.core.NoiseKeys` (for
+        :class:`TorchLocal`): this state's next key; ``rank`` is already in its base."""
+        return self._next_key()
 
     def _next_key(self) -> int:
         """This rank's 64-bit noise key for the next bucket (counter-based, see kernels)."""
@@ -251,7 +270,8 @@ def global_qsgd_hook(state: GlobalQSGDState,
     start = time.perf_counter()
     bits, group = state.settings.bits, state.process_group
     size = state._group_size()
-    n_levels = core.levels(bits, size)  # ValueError naming the bits that work
+    two = _two_stage.chosen(state.settings, size)
+    n_levels = 0 if two else core.levels(bits, size)  # ValueError naming the bits that work
     buffer = bucket.buffer()
     layout = state._layout([g.numel() for g in bucket.gradients()])
     if layout.total != buffer.numel():
@@ -264,6 +284,9 @@ def global_qsgd_hook(state: GlobalQSGDState,
     scaled = time.perf_counter()
     dist.all_reduce(norms, op=dist.ReduceOp.MAX, group=group)  # COLLECTIVE, blocking
     exchanged = time.perf_counter()
+    if two:
+        return _two_stage_hook(state, bucket, buffer, flat, layout, norms, size,
+                               (scaled - start, exchanged - scaled))
     steps = core.step_sizes(_OPS, norms, n_levels) / size  # value of one summed code
     mult = core.multipliers(_OPS, norms, n_levels).to(flat.dtype)  # L / s per segment
     chunk_bytes = state.settings.chunk_bytes
@@ -356,5 +379,118 @@ def _finisher(state: GlobalQSGDState, buffer: torch.Tensor, flat: torch.Tensor,
         state._end({"codes_wait_s": max(t for t, _ in timings) - launched,
                     "quantize_s": sum(d for _, d in timings) + time.perf_counter() - start})
         return buffer
+
+    return finish
+
+
+# --------------------------------------------------------------------------- two-stage
+
+# torch >= 2.13 names them *_single; earlier releases only have the older names
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(eq=False)
+class _TwoStageBucket:
+    """A two-stage bucket between its hook and its allgather."""
+
+    future: torch.futures.Future  # what the hook returned to DDP: set once decoded
+    buffer: torch.Tensor
+    flat: torch.Tensor  # the buffer, or its fp32 copy (fp16/bf16)
+    plan: core.TwoStagePlan
+    layout: core.MessageLayout
+    steps: torch.Tensor  # s / L1 per segment
+    shard: torch.futures.Future  # the reduce-scatter: this rank's summed words
+    launched: float  # when the reduce-scatter was launched
+
+
+def _two_stage_hook(state: GlobalQSGDState, bucket: dist.GradBucket, buffer: torch.Tensor,
+                    flat: torch.Tensor, layout: _Layout, norms: torch.Tensor, size: int,
+                    local_s: tuple[float, float]) -> torch.futures.Future[torch.Tensor]:
+    """Two-stage Global-QSGD for one bucket (:mod:`hvd_gqsgd.two_stage`): quantize in wide
+    lanes and launch the reduce-scatter now; the allgather is launched by the *next* hook,
+    on the autograd thread (collectives must be issued there, in bucket order: see the
+    hazards above), by when the reduce-scatter has had the next bucket's backward to run.
+    The last bucket of a step finishes its own."""
+    begun = time.perf_counter()
+    settings, group, local = state.settings, state.process_group, state._local
+    plan, message_layout = _two_stage.plan_of(
+        ("ddp", tuple(layout.numels), settings.scale_block), layout.counts, size,
+        settings.bits)
+    rank = dist.get_rank(group)
+    steps = core.step_sizes(_OPS, norms, plan.levels1)
+    mult = core.multipliers(_OPS, norms, plan.levels1)
+    words = local.encode(flat, mult, layout.counts, plan.levels1, plan.lane_bits, rank,
+                         pad_to=plan.scatter_words)
+    shard = _reduce_scatter(words, plan, group)  # COLLECTIVE
+    launched = time.perf_counter()
+    mine = _TwoStageBucket(torch.futures.Future(), buffer, flat, plan, message_layout, steps,
+                           shard, launched)
+    state._begin(len(layout.numels), bucket.is_last(), {
+        "uncompressed": buffer.numel() * buffer.element_size(), "payload": plan.wire_bytes(),
+        "overhead": 8 * len(layout.counts),
+        "quantize_s": local_s[0] + (launched - begun), "scale_wait_s": local_s[1]})
+    earlier, state._pending = state._pending, [] if bucket.is_last() else [mine]
+    try:
+        for pending in earlier + ([mine] if bucket.is_last() else []):
+            _all_gather(state, pending, rank)
+    except BaseException:
+        state._pending = []  # every rank fails here together; the next step starts clean
+        raise
+    return mine.future
+
+
+def _reduce_scatter(words: torch.Tensor, plan: core.TwoStagePlan, group: Any
+                    ) -> torch.futures.Future:
+    """COLLECTIVE, async: the Sum reduce-scatter of ``words`` (``plan.scatter_words``), as a
+    future of this rank's ``plan.shard_words`` summed words.  NCCL: ``reduce_scatter``.
+    Gloo, whose ``reduce_scatter`` runs a full all_reduce (twice the bytes): an
+    ``all_to_all`` of the shards, then the int64 sum of the ``n`` received copies (every
+    lane then holds ``n`` codes in ``[-L1, L1]``, inside its bound)."""
+    n, q = plan.world_size, plan.shard_words
+    if dist.get_backend(group) != dist.Backend.GLOO:
+        out = torch.empty(q, dtype=torch.int64, device=words.device)
+        work = _reduce_scatter_single(out, words, op=dist.ReduceOp.SUM, group=group,
+                                      async_op=True)
+        return work.get_future().then(lambda _: out)
+    received = torch.empty_like(words)
+    work = dist.all_to_all_single(received, words, group=group, async_op=True)
+    return work.get_future().then(lambda _: received.view(n, q).sum(0))
+
+
+def _all_gather(state: GlobalQSGDState, pending: _TwoStageBucket, rank: int) -> None:
+    """Wait for ``pending``'s reduce-scatter, requantize this rank's shard and launch the
+    allgather (COLLECTIVE, async); its callback decodes the bucket and completes the future
+    DDP holds."""
+    start = time.perf_counter()
+    summed = pending.shard.wait()  # raises what the reduce-scatter raised
+    message = _two_stage.requantize(state._local, summed, pending.plan, rank, rank)
+    gathered = torch.empty(pending.plan.gather_words, dtype=torch.int64, device=message.device)
+    work = _all_gather_single(gathered, message, group=state.process_group, async_op=True)
+    requantized = time.perf_counter() - start
+    work.get_future().then(_two_stage_finisher(state, pending, gathered, requantized))
+
+
+def _two_stage_finisher(state: GlobalQSGDState, pending: _TwoStageBucket,
+                        gathered: torch.Tensor, requantized: float
+                        ) -> Callable[[torch.futures.Future], None]:
+    """The allgather's callback: decode every message into the bucket's buffer (the average:
+    factor ``1/n``), then complete DDP's future, with the error if any step failed."""
+
+    def finish(work: torch.futures.Future) -> None:
+        arrived = time.perf_counter()
+        try:
+            work.wait()
+            local = state._local
+            decoded = local.messages(gathered, pending.layout, pending.steps)
+            local.decode_into(decoded, pending.flat, 1.0 / pending.plan.world_size)
+            if pending.flat is not pending.buffer:
+                pending.buffer.copy_(pending.flat)
+            state._end({"codes_wait_s": arrived - pending.launched,
+                        "quantize_s": requantized + time.perf_counter() - arrived})
+        except BaseException as e:  # handed to DDP, which raises it where it waits
+            pending.future.set_exception(e)
+            return
+        pending.future.set_result(pending.buffer)
 
     return finish

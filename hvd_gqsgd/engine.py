@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from . import core, hierarchical
+from . import core, hierarchical, two_stage
 
 __all__ = ["Backend", "Engine", "Entry", "Stats"]
 
@@ -86,6 +86,11 @@ class Backend(core.TensorOps, Protocol):
                        world_size: int) -> Any: ...
     def take(self, rescaled: Any, offset: int, like: Any) -> Any: ...
     def stable_names(self) -> bool: ...  # True when names may repeat every round (eager)
+    # two-stage (hvd_gqsgd.two_stage.BACKEND_METHODS) decodes through rescale_bucket on
+    # backends with rescales_buckets, else one tensor at a time: its parts p0..p1 of the
+    # messages' layout, times the op's factor
+    def decode_parts(self, state: Any, offset: int, like: Any, p0: int, p1: int,
+                     factor: float) -> Any: ...
 
 
 FIGURES = ("uncompressed", "payload", "overhead", "quantize_s", "scale_wait_s", "codes_wait_s")
@@ -168,6 +173,11 @@ class Bucket:
     rescaled: Any = None  # Backend.rescale_bucket() output (backends with rescales_buckets)
     remaining: int = 0
     total: int = 0
+    name: str = ""  # prefix of the bucket's collectives' names
+    # two-stage (hvd_gqsgd.two_stage): the plan while the reduce-scatter is in flight, and the
+    # gathered messages' layout, whose parts (not segments) carry the decode's steps
+    plan: core.TwoStagePlan | None = None
+    layout: core.MessageLayout | None = None
 
 
 @dataclass
@@ -246,6 +256,11 @@ class Engine:
                 bucket = ctx.bucket
                 assert bucket is not None
                 r = self._round
+                if bucket.decoded is None and bucket.plan is not None:
+                    assert bucket.layout is not None
+                    bucket.decoded = two_stage.gather(b, bucket, bucket.plan, bucket.layout,
+                                                      bucket.name, self._world()[2], r)
+                    bucket.plan = None
                 if bucket.decoded is None:
                     with r.timing("codes_wait_s"):
                         chunks = [b.wait(h) for h in bucket.handles]
@@ -271,6 +286,11 @@ class Engine:
     def _rescale(self, bucket: Bucket, ctx: Entry, reduced_probe: Any) -> Any:
         """``ctx``'s lane sums times its segments' steps times the op's factor (the probe)."""
         b, block = self.backend, self.settings.scale_block
+        if bucket.layout is not None and not b.rescales_buckets:  # two-stage: steps per part
+            first = bucket.layout.first
+            return b.decode_parts(bucket.decoded, ctx.offset, ctx.tensor, first[ctx.index],
+                                  first[ctx.stop],
+                                  b.probe_factor(reduced_probe, bucket.world_size))
         if b.rescales_buckets:
             # One host call per bucket (TensorFlow): every tensor takes the factor of the
             # bucket's first probe, which one (grouped) allreduce call gives all its tensors.
@@ -291,12 +311,14 @@ class Engine:
         rank, size, pset = self._world()
         name = f"{self._prefix}.b{self._serial}"
         self._serial += 1
-        tree = self._tree(rank, size, pset, name)  # None: flat Global-QSGD
+        tree = self._tree(rank, size, pset, name)  # None: not hierarchical
         # re-read every flush: elastic resizes.  Hierarchical: lanes sum one code per node
-        n_levels = core.levels(self.settings.bits, tree.cross_size if tree else size)
+        summing = tree.cross_size if tree else size
+        two = two_stage.chosen(self.settings, summing, "nodes" if tree else "ranks")
+        n_levels = 0 if two else core.levels(self.settings.bits, summing)
         entries, r.queued, r.queued_bytes = r.queued, [], 0
         bucket = Bucket(entries=entries, rank=rank, world_size=size, n_levels=n_levels,
-                        remaining=len(entries))
+                        remaining=len(entries), name=name)
         bucket.counts, first = core.segments([e.numel for e in entries],
                                              self.settings.scale_block)
         offset = 0
@@ -307,9 +329,17 @@ class Engine:
         with r.timing("quantize_s"):
             flat = self.backend.flat_concat([e.tensor for e in entries])
         if tree is not None:
-            hierarchical.reduce(self.backend, self.settings, tree, bucket, flat, name, pset, r)
+            hierarchical.reduce(self.backend, self.settings, tree, bucket, flat, name, pset, r,
+                                two)
             return
         scales = self._exchange_scales(bucket, flat, f"{name}.scale", pset)
+        if two:
+            bucket.plan, bucket.layout = two_stage.plan_of(
+                (tuple(e.numel for e in entries), self.settings.scale_block), bucket.counts,
+                size, self.settings.bits)
+            two_stage.scatter(self.backend, bucket, flat, scales, bucket.plan, name, pset, r)
+            r.figures["overhead"] += core.scale_exchange_bytes(len(bucket.counts))
+            return
         with r.timing("quantize_s"):
             self._send_codes(bucket, flat, scales, f"{name}.codes", pset)
         r.figures["payload"] += core.wire_bytes(offset, self.settings.bits)
@@ -370,7 +400,7 @@ class Engine:
         entry.tensor = None
         bucket.remaining -= 1
         if bucket.remaining == 0:
-            bucket.decoded = bucket.rescaled = None
+            bucket.decoded = bucket.rescaled = bucket.layout = None
         r = self._round
         r.outstanding -= 1
         if r.outstanding == 0 and not r.queued:

@@ -79,7 +79,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import core
+from . import core, two_stage
+from .core import shard_plan
 
 __all__ = ["BACKEND_METHODS", "Tree", "reduce", "shard_plan", "split_words", "topology"]
 
@@ -177,18 +178,6 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
-def shard_plan(counts: Sequence[int], bits: int, parts: int) -> list[core.Chunk]:
-    """The bucket's ``parts`` shards: :func:`core.chunk_plan` pieces of equal whole words
-    (the last one shorter), padded with empty shards when the bucket has fewer words than
-    ``parts``.  Shard boundaries are word boundaries, so the shards' words concatenate to the
-    bucket's words."""
-    total = sum(counts)
-    per_shard = -(-core.packed_words(total, bits) // parts)
-    plan = core.chunk_plan(counts, bits, per_shard * (core.WORD_BITS // 8))
-    empty = core.Chunk(total, total, len(counts), len(counts), ())
-    return plan + [empty] * (parts - len(plan))
-
-
 def split_words(words: int, parts: int) -> list[int]:
     """Word counts of ``parts`` near-equal consecutive pieces of ``words`` words."""
     base, extra = divmod(words, parts)
@@ -240,16 +229,20 @@ def _in_order(backend: Any, recv: Any, senders: Sequence[int], widths: Sequence[
 
 
 def reduce(backend: Any, settings: core.Settings, tree: Tree, bucket: Any, flat: Any,
-           name: str, pset: Any, round_: Any) -> None:
+           name: str, pset: Any, round_: Any, two: bool = False) -> None:
     """COLLECTIVE (steps 2-8 of the module docstring): leaves the bucket decoded, with its
     step sizes, exactly as flat Global-QSGD's wait + decode would.  ``round_`` is the engine's
-    round (figures and timers)."""
+    round (figures and timers).  ``two``: steps 4-6 run two-stage across nodes (see
+    :func:`_reduce_two_stage`)."""
     b, bits, level = backend, settings.bits, bucket.n_levels
     call = _Call(b, bucket.world_size, pset, name, round_)
     shards = shard_plan(bucket.counts, bits, tree.local_size)
     mine = shards[tree.local_rank]
     node_sum = _reduce_scatter_node(call, tree, flat, shards)
     scales = _exchange_scales(call, bucket, settings.norm, mine, node_sum)
+    if two:
+        _reduce_two_stage(call, tree, bucket, node_sum, scales, shards, bits)
+        return
     with round_.timing("quantize_s"):
         bucket.steps = core.step_sizes(b, scales, level)
         mult = core.multipliers(b, scales, level)
@@ -325,3 +318,54 @@ def _allgather_node(call: _Call, tree: Tree, shard_words: Any, widths: list[int]
                          b.concat_words)
     call.round.figures["payload"] += 8 * (tree.local_size - 1) * b.numel(shard_words)
     return _in_order(b, recv, tree.node, widths)
+
+
+def _reduce_two_stage(call: _Call, tree: Tree, bucket: Any, node_sum: Any, scales: Any,
+                      shards: list[core.Chunk], bits: int) -> None:
+    """Steps 4-7 with two-stage Global-QSGD across nodes (:mod:`hvd_gqsgd.two_stage`, its
+    ``n`` being the node count ``C``): the node sum of shard ``j`` is quantized in lanes of
+    ``core.two_stage_bits(bits, C)``, summed over the cross group by an alltoall
+    reduce-scatter, each piece requantized at ``bits``, and the messages allgathered across
+    nodes, then inside the node.  Leaves the bucket's decoder state and message layout."""
+    b, nodes = call.backend, tree.cross_size
+    plans = two_stage.layout_of(
+        ("hierarchical", tuple(bucket.counts), tree.local_size, nodes, bits),
+        lambda: _plans(shards, nodes, bits, len(bucket.counts)))
+    plan_list, layout = plans
+    plan, mine = plan_list[tree.local_rank], shards[tree.local_rank]
+    level = plan.levels1
+    with call.round.timing("quantize_s"):
+        steps1 = core.step_sizes(b, scales, level)
+        mult = core.multipliers(b, scales, level)
+        if plan.scatter_words:
+            words = b.encode(node_sum, mult[mine.first:mine.stop], mine.counts, level,
+                             plan.lane_bits, bucket.rank, pad_to=plan.scatter_words)
+        else:
+            words = b.to_int64(node_sum[0:0])
+    q = plan.shard_words
+    pieces = [words[k * q:(k + 1) * q] for k in range(nodes)]
+    recv = call.alltoall(tree.peers, pieces, words, "cross_rs", b.concat_words)
+    with call.round.timing("quantize_s"):
+        # int64 sum of C words: every lane is a sum of C codes in [-L1, L1], inside the bound
+        piece = b.sum_rows(recv, nodes) if q else recv
+        message = two_stage.requantize(b, piece, plan, tree.cross_rank, bucket.rank)
+    back = call.alltoall(tree.peers, [message] * nodes, None, "cross_ag", b.concat_words)
+    messages = _in_order(b, back, tree.peers, [plan.message_words] * nodes)
+    widths = [p.gather_words for p in plan_list]
+    gathered = _allgather_node(call, tree, messages, widths)
+    call.round.figures["payload"] += 8 * (nodes - 1) * (q + plan.message_words)
+    with call.round.timing("quantize_s"):
+        bucket.decoded = b.messages(gathered, layout, steps1)
+    bucket.layout, bucket.handles = layout, []
+
+
+def _plans(shards: list[core.Chunk], nodes: int, bits: int, n_segments: int
+           ) -> tuple[list[core.TwoStagePlan], core.MessageLayout]:
+    """Each node shard's two-stage plan across ``nodes``, and the layout of the words every
+    rank ends with: shard 0's ``nodes`` messages, then shard 1's, ..."""
+    plans = [core.two_stage_plan(s.counts, nodes, bits) for s in shards]
+    blocks, offset = [], 0
+    for plan, shard in zip(plans, shards):
+        blocks.append((plan, offset, shard.first))
+        offset += plan.gather_words
+    return plans, core.message_layout(blocks, offset, n_segments)

@@ -219,7 +219,9 @@ class TensorFlowBackend:
         return tf.concat([tf.reshape(tf.cast(t, dtype), [-1]) for t in tensors], 0)
 
     def encode(self, flat: Any, mult: Any, counts: Sequence[int], n_levels: int, bits: int,
-               rank: int, after: Any = None) -> Any:
+               rank: int, after: Any = None, pad_to: int | None = None) -> Any:
+        if pad_to is not None:  # two-stage: one piece, zero words up to pad_to, no chunks
+            return self._encode(flat, mult, counts, n_levels, bits, rank, None, True, pad_to)
         if after is not None and not tf.executing_eagerly():
             # Chunks: without this order TF's executor runs every chunk's encode before any
             # chunk's allreduce (all are ready at once), and Horovod fuses them all into one
@@ -233,10 +235,12 @@ class TensorFlowBackend:
         return self._encode(flat, mult, counts, n_levels, bits, rank, self._watch, first=True)
 
     def _encode(self, flat: Any, mult: Any, counts: Sequence[int], n_levels: int, bits: int,
-                rank: int, watch: kernels.WireWatch | None, first: bool) -> Any:
+                rank: int, watch: kernels.WireWatch | None, first: bool,
+                pad_to: int | None = None) -> Any:
         numel = _static_numel(flat)
-        if _fused(flat):
-            sizes, size = np.asarray(counts), core.packed_words(numel, bits)
+        size = core.packed_words(numel, bits)
+        if _fused(flat):  # a longer buffer gets zero codes, hence zero words, at its end
+            sizes, size = np.asarray(counts), pad_to or size
 
             def run(x: np.ndarray, m: np.ndarray) -> np.ndarray:
                 words = kernels.host_array(size, np.int64)
@@ -254,7 +258,10 @@ class TensorFlowBackend:
 
             return _host(run, [flat, mult], tf.int64, [size])
         per_element = tf.repeat(tf.cast(mult, flat.dtype), list(counts))
-        return core.encode(self, flat, per_element, self._uniform(flat, rank), n_levels, bits)
+        words = core.encode(self, flat, per_element, self._uniform(flat, rank), n_levels, bits)
+        if pad_to and pad_to > size:
+            words = tf.pad(words, [[0, pad_to - size]])
+        return words
 
     def _uniform(self, like: Any, rank: int) -> Any:
         """Noise for the TF-ops path: a stateless draw keyed by a fresh 64-bit key per call."""
@@ -299,6 +306,8 @@ class TensorFlowBackend:
                        block: int, likes: Sequence[Any], reduced_probe: Any,
                        world_size: int) -> Any:
         compute = tf.float64 if any(t.dtype == tf.float64 for t in likes) else tf.float32
+        if isinstance(state, _TwoStage):
+            return state.rescale(compute, reduced_probe, world_size)
         if isinstance(state, _Words):
             return state.rescale(steps, layout, block, compute, reduced_probe, world_size)
         factor = self.probe_factor(reduced_probe, world_size)
@@ -329,6 +338,39 @@ class TensorFlowBackend:
 
     def allgather_async(self, tensor: Any, name: str, process_set: Any) -> Any:
         return hvd.allgather(tensor, name=name, process_set=process_set, ignore_name_scope=True)
+
+    def reducescatter_sum_async(self, words: Any, name: str, process_set: Any) -> Any:
+        # equal shards: the words are world_size * shard_words long (core.TwoStagePlan)
+        return hvd.reducescatter(words, op=hvd.Sum, name=name, process_set=process_set,
+                                 ignore_name_scope=True)
+
+    # --- two-stage (hvd_gqsgd.two_stage)
+    def lane_sums(self, words: Any, bits: int, numel: int) -> Any:
+        if _fused(words):
+            def run(w: np.ndarray) -> np.ndarray:
+                out = kernels.host_array(numel, np.float64)
+                kernels.lane_sums(w if w.flags.writeable else np.array(w), bits, out)
+                return out
+
+            return _host(run, [words], tf.float64, [numel])
+        return tf.cast(core.unpack(self, words, bits, numel), tf.float64)
+
+    def part_max(self, sums: Any, counts: Sequence[int]) -> Any:
+        if _fused(sums):
+            sizes = np.asarray(counts)
+            return _host(lambda x: kernels.segment_norms(x, sizes, "max"), [sums], tf.float64,
+                         [len(counts)])
+        ids = tf.repeat(tf.range(len(counts)), list(counts))
+        return tf.math.unsorted_segment_max(tf.abs(sums), ids, len(counts))
+
+    def message(self, codes: Any, part_max: Any, code_words: int, slots: int) -> Any:
+        parts = [tf.zeros([code_words], tf.int64) if codes is None else codes,
+                 tf.cast(part_max, tf.int64)]  # exact: integers below 2**31
+        rest = slots - int(part_max.shape[0])
+        return tf.concat(parts + ([tf.zeros([rest], tf.int64)] if rest else []), 0)
+
+    def messages(self, gathered: Any, layout: core.MessageLayout, steps1: Any) -> Any:
+        return _TwoStage(self, gathered, layout, steps1)
 
     def wait(self, handle: Any) -> Any:
         return handle  # TF runs the op asynchronously; its output is the handle
@@ -445,3 +487,43 @@ class _Words:
         # Every chunk's op feeds this one as data (ops that only a control dependency waits
         # for are pruned); it hands the filled buffer on without copying it.
         return _host(lambda out, *_: out, [buffer, *done], compute, [total])
+
+
+class _TwoStage:
+    """A two-stage bucket's gathered messages (``Backend.messages``), decoded by
+    :meth:`rescale` in one host call (fused) or with TF ops over the core (GPU path)."""
+
+    def __init__(self, ops: TensorFlowBackend, gathered: Any, layout: core.MessageLayout,
+                 steps1: Any) -> None:
+        self.ops, self.gathered, self.layout, self.steps1 = ops, gathered, layout, steps1
+
+    def rescale(self, compute: Any, reduced_probe: Any, world_size: int) -> Any:
+        """The whole bucket, flat: every code times its part's step times the op's factor
+        (the probe, checked here as in flat Global-QSGD)."""
+        layout, out_dtype = self.layout, compute.as_numpy_dtype
+        total = int(sum(layout.counts))
+        segments = np.asarray(layout.segments, np.int64)
+        if _fused(self.gathered):
+            def run(words: np.ndarray, steps1: np.ndarray, probe: np.ndarray) -> np.ndarray:
+                messages = kernels.Messages(words, layout)
+                factor = core.check_probe(probe.tolist(), world_size)
+                steps = core.stage_two_steps(messages.part_max(), steps1[segments],
+                                             layout.bits) * factor
+                out = kernels.host_array(total, out_dtype)
+                messages.unpack_parts(0, len(layout.counts), out, steps, 0)
+                return out
+
+            return _host(run, [self.gathered, self.steps1, reduced_probe], compute, [total])
+        factor = _host(lambda r: np.float64(core.check_probe(r, world_size)), [reduced_probe],
+                       tf.float64, [])
+        part_max = tf.cast(tf.gather(self.gathered, list(layout.slots)), tf.float64)
+        steps = core.stage_two_steps(part_max, tf.gather(self.steps1, segments),
+                                     layout.bits) * factor
+        counts = np.asarray(layout.counts, np.int64)
+        starts = np.cumsum(counts) - counts
+        position = tf.range(total, dtype=tf.int64) + tf.repeat(
+            tf.constant(np.asarray(layout.lanes, np.int64) - starts), counts)
+        every = core.unpack(self.ops, self.gathered, layout.bits,
+                            _static_numel(self.gathered) * core.lanes_per_word(layout.bits))
+        codes = tf.cast(tf.gather(every, position), compute)
+        return codes * tf.repeat(tf.cast(steps, compute), counts)

@@ -1,19 +1,24 @@
-"""The core's tensor primitives (:class:`hvd_gqsgd.core.TensorOps`) as torch ops, with no
-Horovod: shared by the Horovod adapter (:mod:`hvd_gqsgd.torch`) and the DDP hook
-(:mod:`hvd_gqsgd.ddp`), which must not import Horovod.  Each method is one torch call; no
-formula lives here.
+"""The core's tensor primitives as torch ops, with no Horovod: :class:`TorchOps`
+(:class:`hvd_gqsgd.core.TensorOps`, each method one torch call) and :class:`TorchLocal`, the
+local (non-collective) half of the torch backend, which the Horovod adapter
+(:mod:`hvd_gqsgd.torch`) extends with Horovod's collectives and the DDP hook
+(:mod:`hvd_gqsgd.ddp`, which must not import Horovod) uses as is.  No formula lives here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from . import kernels
+from . import core, kernels
 
-__all__ = ["TorchOps", "host_empty"]
+__all__ = ["TorchLocal", "TorchOps", "TwoStageSums", "host_empty"]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def host_empty(shape: int | tuple[int, ...], dtype: type) -> torch.Tensor:
@@ -58,3 +63,256 @@ class TorchOps:
 
     def rshift(self, x: Any, shift: int) -> Any:
         return torch.bitwise_right_shift(x, shift)
+
+
+@dataclass
+class TwoStageSums:
+    """A two-stage bucket's gathered messages, ready to decode (:meth:`TorchLocal.messages`):
+    the kernels' view of them (CPU) or every element's stage-2 code (generic path), and the
+    value of one code per part (float64, ``core.stage_two_steps``)."""
+
+    layout: core.MessageLayout
+    steps: torch.Tensor
+    fused: kernels.Messages | None = None
+    codes: torch.Tensor | None = None  # generic path: int64, one per bucket element
+
+
+class TorchLocal(TorchOps):
+    """The local half of :class:`hvd_gqsgd.engine.Backend` for torch tensors (CPU or CUDA):
+    everything but the collectives.
+
+    ``keys``: the rank's noise-key stream for the fused kernels (default
+    ``core.NoiseKeys(seed)``; the DDP hook passes its checkpointed one)."""
+
+    # Each tensor is rescaled with its own probe: a torch bucket may hold tensors that
+    # separate allreduce_async calls reduce with different ops.
+    rescales_buckets = False
+
+    def __init__(self, seed: int | None, keys: Any = None) -> None:
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}  # generic path, per device
+        # fused path: counter-based noise, keyed per bucket (core.NoiseKeys or alike)
+        self._keys = core.NoiseKeys(seed) if keys is None else keys
+        self._probes: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
+
+    def is_compressible(self, t: Any) -> bool:
+        return t.dtype in _FLOATS and t.numel() > 0
+
+    def dtype_name(self, t: Any) -> str:
+        return str(t.dtype).replace("torch.", "")
+
+    def numel(self, t: Any) -> int:
+        return t.numel()
+
+    def nbytes(self, t: Any) -> int:
+        return t.numel() * t.element_size()
+
+    def probe(self, values: Sequence[float], like: Any) -> Any:
+        # A fresh tensor every time (Horovod reduces it in place), cloned from a cached one:
+        # cloning costs a fifth of building a tensor from a list, once per gradient tensor.
+        key = (tuple(values), like.device)
+        template = self._probes.get(key)
+        if template is None:
+            template = torch.tensor(values, dtype=torch.float64, device=like.device)
+            self._probes[key] = template
+        return template.clone()
+
+    def probe_factor(self, reduced: Any, world_size: int) -> Any:
+        return core.check_probe(reduced.tolist(), world_size)
+
+    def local_norms(self, tensors: Sequence[Any], flat: Any, counts: Sequence[int], norm: str,
+                    extra: Sequence[float]) -> Any:
+        tail = torch.tensor(extra, dtype=torch.float64, device=flat.device)
+        if self._fused(flat):
+            vec = torch.from_numpy(kernels.segment_norms(flat.numpy(), np.asarray(counts), norm))
+            return torch.cat([vec, tail])
+        parts = list(tensors) if len(counts) == len(tensors) else torch.split(flat, list(counts))
+        norms: Sequence[torch.Tensor]
+        if norm == "max":
+            norms = torch._foreach_norm(list(parts), float("inf"))
+        else:  # fp64: a finite fp16/fp32 gradient must not overflow its own L2 norm
+            norms = [torch.linalg.vector_norm(t, dtype=torch.float64) for t in parts]
+        vec = torch.stack([n.to(torch.float64) for n in norms])
+        # MAX drops NaN in some reductions (a > b is false); +inf always wins the MAX.
+        return torch.cat([torch.nan_to_num(vec, nan=float("inf")), tail])
+
+    def check_layout(self, reduced: Any) -> Any:
+        high, neg_low = reduced[-2:].tolist()
+        if high != -neg_low:
+            raise RuntimeError(
+                "GlobalQSGD: ranks compressed different tensors (sizes or dtypes differ at the "
+                "same position). Every rank must call compress() on the same tensors in the same "
+                "order, e.g. the same model with the same parameters requiring gradients."
+            )
+        return reduced[:-2]
+
+    def flat_concat(self, tensors: Sequence[Any]) -> Any:
+        dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+        if len(tensors) == 1:  # no copy when already flat and in dtype
+            return tensors[0].detach().reshape(-1).to(dtype)
+        return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
+
+    def encode(self, flat: Any, mult: Any, counts: Sequence[int], n_levels: int, bits: int,
+               rank: int, after: Any = None, pad_to: int | None = None) -> Any:
+        # eager: runs in call order anyway, so ``after`` needs no dependency here
+        size = core.packed_words(flat.numel(), bits)
+        if self._fused(flat):  # a longer buffer gets zero codes, hence zero words, at its end
+            words = host_empty(pad_to or size, np.int64)
+            kernels.quantize_pack(flat.numpy(), np.asarray(counts), mult.numpy(), n_levels, bits,
+                                  self._keys.next(rank), words.numpy())
+            return words
+        counts_t = torch.tensor(list(counts), device=flat.device)
+        per_element = torch.repeat_interleave(mult.to(flat.dtype), counts_t,
+                                              output_size=flat.numel())
+        words = core.encode(self, flat, per_element, self._uniform(flat, rank), n_levels, bits)
+        if pad_to and pad_to > size:
+            words = torch.cat([words, words.new_zeros(pad_to - size)])
+        return words
+
+    def auto_chunk_bytes(self, flat: Any) -> int:
+        # One Sum allreduce per bucket: chunks measured no faster here (docs/BENCHMARKS.md),
+        # as the summed words are joined and decoded only after the last chunk arrives.
+        return 0
+
+    def decoder(self, words: Any, bits: int, total: int) -> Any:
+        if self._fused(words):
+            return kernels.Summed(words.numpy(), bits)  # words are ours: rewritten in place
+        return core.unpack(self, words, bits, total)
+
+    def decode(self, state: Any, offset: int, like: Any, scale: Any, block: int) -> Any:
+        compute = torch.float64 if like.dtype == torch.float64 else torch.float32
+        numel = like.numel()
+        if isinstance(state, kernels.Summed):
+            # allocated in its final shape: no reshape per tensor on the way out
+            out = host_empty(tuple(like.shape),
+                              np.float64 if compute == torch.float64 else np.float32)
+            state.unpack_scale(offset, out.numpy().reshape(-1), scale.numpy(), block)
+            return out.to(like.dtype)
+        out = state[offset:offset + numel].to(compute)
+        if block:  # in place, block by block: element i times scale[i // block]
+            full = numel // block
+            out[:full * block].view(full, block).mul_(scale[:full, None].to(compute))
+            if full * block < numel:
+                out[full * block:].mul_(scale[full].to(compute))
+        else:
+            out = out * scale
+        return out.to(like.dtype).view(like.shape)
+
+    def _fused(self, t: Any) -> bool:
+        """The numba kernels serve CPU tensors; CUDA (and CPU without numba) use core.encode."""
+        return t.device.type == "cpu" and kernels.available()
+
+    def _uniform(self, like: Any, rank: int) -> Any:
+        gen = self._generators.get(like.device)
+        if gen is None:
+            gen = torch.Generator(device=like.device)
+            gen.manual_seed(core.rank_seed(self._seed, rank))
+            self._generators[like.device] = gen
+        return torch.rand(like.shape, dtype=like.dtype, device=like.device, generator=gen)
+
+    def stable_names(self) -> bool:
+        return True
+
+    # --- hierarchical (hvd_gqsgd.hierarchical), local steps
+    def placed(self, part: Any, start: int, length: int) -> Any:
+        out = part.new_zeros(length)  # zeros around part, which lands at [start, start + len)
+        out[start:start + part.numel()] = part
+        return out
+
+    def sum_rows(self, x: Any, rows: int) -> Any:  # floats add in float64, integers in int64
+        return x.view(rows, -1).sum(0, dtype=torch.float64 if x.is_floating_point() else None)
+
+    def host_list(self, t: Any) -> list[float]:
+        return t.tolist()
+
+    def concat_words(self, words: Sequence[Any]) -> Any:
+        if words[0].device.type == "cpu":
+            out = host_empty(sum(w.numel() for w in words), np.int64)
+            return torch.cat(list(words), out=out)
+        return torch.cat(list(words))
+
+    # --- two-stage (hvd_gqsgd.two_stage)
+    def lane_sums(self, words: Any, bits: int, numel: int) -> Any:
+        if self._fused(words):
+            out = host_empty(numel, np.float64)
+            kernels.lane_sums(words.numpy(), bits, out.numpy())  # the words are ours
+            return out
+        return core.unpack(self, words, bits, numel).to(torch.float64)
+
+    def part_max(self, sums: Any, counts: Sequence[int]) -> Any:
+        if self._fused(sums):
+            return torch.from_numpy(kernels.segment_norms(sums.numpy(), np.asarray(counts),
+                                                          "max"))
+        device = sums.device
+        ids = torch.repeat_interleave(torch.arange(len(counts), device=device),
+                                      torch.tensor(list(counts), device=device),
+                                      output_size=sums.numel())
+        out = torch.zeros(len(counts), dtype=torch.float64, device=device)
+        return out.scatter_reduce_(0, ids, sums.abs(), "amax")
+
+    def message(self, codes: Any, part_max: Any, code_words: int, slots: int) -> Any:
+        out = torch.zeros(code_words + slots, dtype=torch.int64, device=part_max.device)
+        if codes is not None:
+            out[:code_words] = codes
+        out[code_words:code_words + part_max.numel()] = part_max.to(torch.int64)  # exact
+        return out
+
+    def messages(self, gathered: Any, layout: core.MessageLayout, steps1: Any) -> TwoStageSums:
+        device = gathered.device
+        segments = _derived(layout, ("segments", device),
+                            lambda: torch.tensor(layout.segments, device=device))
+        if self._fused(gathered):
+            fused = kernels.Messages(gathered.numpy(), layout)
+            part_max = torch.from_numpy(fused.part_max())
+            return TwoStageSums(layout, core.stage_two_steps(part_max, steps1[segments],
+                                                             layout.bits), fused=fused)
+        slots = _derived(layout, ("slots", device), lambda: torch.tensor(layout.slots,
+                                                                         device=device))
+        counts = _derived(layout, ("counts", device), lambda: torch.tensor(layout.counts,
+                                                                           device=device))
+        starts = torch.cumsum(counts, 0) - counts
+        lanes = torch.tensor(layout.lanes, device=device)
+        total = int(sum(layout.counts))
+        every = core.unpack(self, gathered, layout.bits,
+                            gathered.numel() * core.lanes_per_word(layout.bits))
+        position = torch.arange(total, device=device) + torch.repeat_interleave(
+            lanes - starts, counts, output_size=total)
+        part_max = gathered[slots].to(torch.float64)
+        return TwoStageSums(layout, core.stage_two_steps(part_max, steps1[segments],
+                                                         layout.bits), codes=every[position])
+
+    def decode_parts(self, state: TwoStageSums, offset: int, like: Any, p0: int, p1: int,
+                     factor: float) -> Any:
+        """One tensor of a two-stage bucket: elements ``offset ..`` (parts ``p0 .. p1``), each
+        code times its part's step times the op's ``factor``, in ``like``'s dtype and shape."""
+        compute = torch.float64 if like.dtype == torch.float64 else torch.float32
+        if state.fused is not None:  # allocated in its final shape, as in decode
+            out = host_empty(tuple(like.shape),
+                             np.float64 if compute == torch.float64 else np.float32)
+        else:
+            out = torch.empty(like.shape, dtype=compute, device=like.device)
+        self.decode_into(state, out.view(-1), factor, p0, p1, offset)
+        return out.to(like.dtype)
+
+    def decode_into(self, state: TwoStageSums, out: Any, factor: float, p0: int = 0,
+                    p1: int | None = None, offset: int = 0) -> None:
+        """Parts ``p0 .. p1`` (default: all) of a two-stage bucket into the flat float32/64
+        ``out``, whose first element is bucket element ``offset``."""
+        p1 = len(state.layout.counts) if p1 is None else p1
+        scale = (state.steps[p0:p1] * factor).to(out.dtype)
+        if state.fused is not None:
+            state.fused.unpack_parts(p0, p1, out.numpy(), scale.numpy(), offset)
+            return
+        assert state.codes is not None
+        counts = _derived(state.layout, ("counts", scale.device),
+                          lambda: torch.tensor(state.layout.counts, device=scale.device))
+        per_element = torch.repeat_interleave(scale, counts[p0:p1], output_size=out.numel())
+        torch.mul(state.codes[offset:offset + out.numel()].to(out.dtype), per_element, out=out)
+
+
+def _derived(layout: core.MessageLayout, key: Any, make: Any) -> Any:
+    """``layout.derived[key]``, made once (per-part index tensors on one device)."""
+    value = layout.derived.get(key)
+    if value is None:
+        value = layout.derived[key] = make()
+    return value
