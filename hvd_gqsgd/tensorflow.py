@@ -337,12 +337,18 @@ class TensorFlowBackend:
         return summed
 
     def allgather_async(self, tensor: Any, name: str, process_set: Any) -> Any:
-        return hvd.allgather(tensor, name=name, process_set=process_set, ignore_name_scope=True)
+        out = hvd.allgather(tensor, name=name, process_set=process_set, ignore_name_scope=True)
+        # equal inputs on every rank here, so the output's length is static (a graph leaves
+        # it unknown, and the TF-ops decode needs it)
+        out.set_shape([tensor.shape[0] * process_set.size(), *tensor.shape[1:]])
+        return out
 
     def reducescatter_sum_async(self, words: Any, name: str, process_set: Any) -> Any:
         # equal shards: the words are world_size * shard_words long (core.TwoStagePlan)
-        return hvd.reducescatter(words, op=hvd.Sum, name=name, process_set=process_set,
-                                 ignore_name_scope=True)
+        out = hvd.reducescatter(words, op=hvd.Sum, name=name, process_set=process_set,
+                                ignore_name_scope=True)
+        out.set_shape([words.shape[0] // process_set.size()])
+        return out
 
     # --- two-stage (hvd_gqsgd.two_stage)
     def lane_sums(self, words: Any, bits: int, numel: int) -> Any:

@@ -171,12 +171,12 @@ def requantize(backend: Any, words: Any, plan: core.TwoStagePlan, index: int,
     rewrite): the rank's message, ``plan.message_words`` int64 words."""
     b, shard = backend, plan.shards[index]
     sums = b.lane_sums(words, plan.lane_bits, shard.hi - shard.lo)
+    if shard.hi == shard.lo:  # past the bucket's last word: an all-zero message
+        return b.message(None, sums, plan.code_words, plan.part_slots)
     part_max = b.part_max(sums, shard.counts)
-    codes = None
-    if shard.hi > shard.lo:
-        mult = core.stage_two_multipliers(b, part_max, plan.bits)
-        codes = b.encode(sums, mult, shard.counts, plan.levels2, plan.bits, rank,
-                         pad_to=plan.code_words)
+    mult = core.stage_two_multipliers(b, part_max, plan.bits)
+    codes = b.encode(sums, mult, shard.counts, plan.levels2, plan.bits, rank,
+                     pad_to=plan.code_words)
     return b.message(codes, part_max, plan.code_words, plan.part_slots)
 
 
