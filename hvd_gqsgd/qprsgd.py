@@ -372,7 +372,7 @@ class QPRSGD(torch.optim.Optimizer):
         torch._foreach_add_(self._anchor, mean)
         for p, a in zip(params, self._anchor):
             p.copy_(a)
-        return _allreduce_bytes(self.compression, params)
+        return _allreduce_bytes(self.compression, params, pset.size())
 
     def _sync_gossip(self, pset: Any, rank: int, size: int) -> int:
         """COLLECTIVE (ring neighbours): CHOCO-style exchange of Q(x_i - x_hat_i), then mix."""
@@ -521,13 +521,16 @@ def _add_flat(params: list[torch.Tensor], flat: torch.Tensor) -> None:
         offset += n
 
 
-def _allreduce_bytes(compression: Any, params: list[torch.Tensor]) -> int:
-    """Bytes one rank hands the allreduce per sync (packed codes and scales for GlobalQSGD)."""
+def _allreduce_bytes(compression: Any, params: list[torch.Tensor], size: int) -> int:
+    """Bytes one rank hands the allreduce per sync (packed codes and scales for GlobalQSGD;
+    two-stage: both phases in allreduce terms, ``core.TwoStagePlan.wire_bytes``)."""
     if isinstance(compression, GlobalQSGD):
         s = compression.settings
         numel = sum(p.numel() for p in params)
-        n_seg = len(core.segments([p.numel() for p in params], s.scale_block)[0])
-        return (core.wire_bytes(numel, s.bits) + core.scale_exchange_bytes(n_seg)
-                + core.PROBE_BYTES * len(params))
+        counts = core.segments([p.numel() for p in params], s.scale_block)[0]
+        payload = (core.two_stage_plan(counts, size, s.bits).wire_bytes()
+                   if core.use_two_stage(s.two_stage, s.bits, size)
+                   else core.wire_bytes(numel, s.bits))
+        return payload + core.scale_exchange_bytes(len(counts)) + core.PROBE_BYTES * len(params)
     width = 2 if compression is hvd.Compression.fp16 else None
     return sum(p.numel() * (width or p.element_size()) for p in params)
