@@ -2,7 +2,8 @@
 
 Entry points, all on the same core (:mod:`hvd_gqsgd.core`) and kernels::
 
-    # Horovod, PyTorch or TensorFlow 2 (GlobalQSGD(bits=8, hierarchical=True): multi-GPU nodes)
+    # Horovod, PyTorch or TensorFlow 2 (GlobalQSGD(bits=8, hierarchical=True): multi-GPU nodes;
+    # two_stage=True: reduce-scatter + requantize + allgather, the default below 15 levels)
     from hvd_gqsgd import GlobalQSGD
     opt = hvd.DistributedOptimizer(opt, compression=GlobalQSGD(bits=8))
 

@@ -43,6 +43,16 @@ class GlobalQSGD:
     Bytes on the wire per element: ``8 / (64 // bits)`` (1 at ``bits=8``, 4x fewer than fp32),
     plus 8 bytes per block for the scale and 16 per tensor for the probe described below.
 
+    **Two-stage** (``two_stage``, :mod:`hvd_gqsgd.two_stage`): steps 3-4 become a Sum
+    reduce-scatter of codes in lanes wide enough that every rank keeps
+    :math:`2^{bits-1} - 1` levels (``core.two_stage_bits``: at most ``bits + ceil(log2 n)``),
+    one unbiased requantization of each shard's exact sum to ``bits`` with scales of its own,
+    and an allgather.  The error then stays near one rank's at ``bits`` whatever ``n`` is
+    (8 bits on real gradients: 0.02 from 2 to 1024 ranks, where flat's grows to 0.17 at 16
+    and is refused from 128: docs/TWO_STAGE.md), for about ``(64 / (64 // w) + bits) / 2``
+    bits per element in allreduce terms: 8.6 at 2 ranks and 8 bits, 9.3 at 4, 10.4 at 8-16,
+    12 at 32-256, i.e. 2.7-3.7x fewer bytes than fp32.
+
     Example::
 
         import horovod.torch as hvd
@@ -53,8 +63,9 @@ class GlobalQSGD:
                                        compression=GlobalQSGD(bits=8))
 
     Args:
-        bits: lane width, 2..16.  ``L`` shrinks like ``1/n``: 8 bits gives 63 levels at n=2,
-            15 at n=8, 0 (an error naming the smallest bits that works) at n=128.
+        bits: lane width, 2..16.  Flat ``L`` shrinks like ``1/n``: 8 bits gives 63 levels at
+            n=2, 15 at n=8, 0 (an error naming the smallest bits that works) at n=128;
+            two-stage keeps ``2**(bits-1) - 1`` at any n.
         norm: ``"max"`` or ``"l2"`` (see step 1).
         seed: ``None`` (default) seeds each rank's rounding noise from the OS; an int makes
             runs reproducible.  Either way the noise differs between ranks and the framework's
@@ -91,7 +102,16 @@ class GlobalQSGD:
             alltoalls and 2 small MAX allreduces; :mod:`hvd_gqsgd.hierarchical`).  Falls
             back to flat Global-QSGD with one node or one rank per node, and, with a
             one-time ``RuntimeWarning``, when nodes have unequal rank counts.  PyTorch only;
-            not with ``chunk_bytes`` or a ``process_set``.
+            not with ``chunk_bytes`` or a ``process_set``.  With two-stage (below), the
+            reduce-scatter and allgather across nodes are the two stages, so its wide lanes
+            count nodes.
+        two_stage: ``True``: two-stage Global-QSGD (see above); ``False``: flat, which
+            warns once when it leaves fewer than 15 levels per rank; ``None`` (default):
+            two-stage where flat would leave fewer than 15 levels
+            (``core.AUTO_MIN_LEVELS``: 8 bits from 9 ranks, or nodes with
+            ``hierarchical``, on; 4 bits at any size from 2), flat elsewhere.  Two-stage
+            sends one reduce-scatter and one allgather per bucket, no chunks: with it an
+            explicit ``chunk_bytes > 0`` is refused (``ValueError``).
 
     .. warning::
         * **Op.** Any ``op`` that sums works: ``Average`` (the default), ``Sum``, and
@@ -101,8 +121,9 @@ class GlobalQSGD:
           ``ValueError`` in ``decompress``: integer sums cannot implement them.
         * **Order.** Every rank must call ``compress`` on the same tensors in the same order
           (true for the same model and script).  A layout mismatch in size or dtype raises.
-        * **World size.** ``L`` is recomputed at every batch from the current process-set
-          size; if ``bits`` is too small for it, ``ValueError`` says which ``bits`` works.
+        * **World size.** ``L`` (and the flat/two-stage choice) is recomputed at every
+          batch from the current process-set size; if flat ``bits`` is too small for it,
+          ``ValueError`` says which ``bits`` works.
         * **TensorFlow.** Constructed with ``horovod.tensorflow`` already imported, it makes
           Horovod's ``DistributedGradientTape`` and legacy Keras ``DistributedOptimizer``
           reduce all gradients in one grouped call when they are given a ``GlobalQSGD``

@@ -28,6 +28,14 @@ because every lane sum stays inside ``(-2**(bits-1), 2**(bits-1))``:
   modulo ``2**bits`` and shifting it out (:func:`unpack`).
 
 A lane never carries into the next because there is nothing to carry: the arithmetic is exact.
+
+Two-stage
+---------
+:mod:`hvd_gqsgd.two_stage` sums codes in a reduce-scatter instead, in lanes of
+``w = two_stage_bits(bits, n)`` bits with ``L1 = two_stage_levels(bits, n)`` levels (the
+same bound with ``w``), then requantizes each shard's exact sum once to ``bits``
+(``requantize``, ``stage_two_multipliers``, ``stage_two_steps``); ``two_stage_plan`` and
+``message_layout`` say which rank owns which words and where each part's codes land.
 """
 
 from __future__ import annotations

@@ -239,6 +239,18 @@ def global_qsgd_hook(state: GlobalQSGDState,
     Bytes on the wire per element: ``8 / (64 // bits)`` (1 at 8 bits, 4x fewer than fp32)
     plus 8 per block for step 2.
 
+    **Two-stage** (``state.settings.two_stage``, by default where flat would leave fewer than
+    15 levels: :mod:`hvd_gqsgd.two_stage`): steps 3-5 become (3') codes in lanes wide enough
+    for ``2**(bits-1) - 1`` levels per rank, (4') an async int64 SUM reduce-scatter (NCCL:
+    ``reduce_scatter``; Gloo: ``all_to_all`` of the shards plus a local sum, since Gloo's
+    ``reduce_scatter`` runs a whole ``all_reduce``), (5') each rank requantizes its shard's
+    exact sum to ``bits`` and an async ``all_gather`` shares every shard; its callback decodes
+    the average into the bucket.  The allgather of bucket ``k`` is launched by the hook of
+    bucket ``k + 1`` (collectives stay on the autograd thread, in bucket order, see below), so
+    bucket ``k``'s reduce-scatter runs during the next bucket's backward; the last bucket's
+    hook finishes its own.  About ``(64 / (64 // w) + bits) / 2`` bits per element (8.6 at 2
+    ranks and 8 bits, 10.4 at 8-16).
+
     Hazards:
         * Collective order.  All all_reduces are issued here, on the autograd thread, in
           bucket order.  Ranks must issue collectives in one order (Gloo tags them by issue
@@ -385,6 +397,10 @@ def _finisher(state: GlobalQSGDState, buffer: torch.Tensor, flat: torch.Tensor,
 
 # --------------------------------------------------------------------------- two-stage
 
+# How a Gloo group reduce-scatters (benchmarks/ddp_bench.py measures both): "all_to_all"
+# (default) or "reduce_scatter", torch's reduce_scatter_single, which Gloo runs as a full
+# all_reduce of the input
+GLOO_REDUCE_SCATTER = "all_to_all"
 # torch >= 2.13 names them *_single; earlier releases only have the older names
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -448,7 +464,7 @@ def _reduce_scatter(words: torch.Tensor, plan: core.TwoStagePlan, group: Any
     ``all_to_all`` of the shards, then the int64 sum of the ``n`` received copies (every
     lane then holds ``n`` codes in ``[-L1, L1]``, inside its bound)."""
     n, q = plan.world_size, plan.shard_words
-    if dist.get_backend(group) != dist.Backend.GLOO:
+    if dist.get_backend(group) != dist.Backend.GLOO or GLOO_REDUCE_SCATTER == "reduce_scatter":
         out = torch.empty(q, dtype=torch.int64, device=words.device)
         work = _reduce_scatter_single(out, words, op=dist.ReduceOp.SUM, group=group,
                                       async_op=True)
