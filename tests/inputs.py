@@ -49,3 +49,22 @@ def training_data(rank: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
     w = np.random.default_rng(0).normal(size=(8, 1))
     x = np.random.default_rng([1, rank]).normal(size=(rows, 8))
     return x.astype(np.float32), np.tanh(x @ w).astype(np.float32)
+
+
+TWO_STAGE_NUMELS = [5, 130, 1, 4097, 3000]  # small, odd, scalar, block-straddling tensors
+TWO_STAGE_SEED = 11
+
+
+def two_stage_input(rank: int, n: int, kind: str = "random",
+                    numels: list[int] = TWO_STAGE_NUMELS) -> np.ndarray:
+    """One rank's flat float32 bucket for the two-stage checks: a shared signal plus noise
+    three times as large ("random"), or +-0.75 and zeros at the same places on every rank
+    with every seventh element's sign alternating between ranks ("extremes")."""
+    total = sum(numels)
+    if kind == "extremes":
+        x = np.tile([1.0, -1.0, 0.0, 1.0], -(-total // 4))[:total] * 0.75
+        x[::7] = 0.75 * (-1) ** rank
+        return x.astype(np.float32)
+    common = np.random.default_rng([n, len(numels)]).normal(0, 1, total)
+    noise = np.random.default_rng([rank, 17]).normal(0, 1, total)
+    return (common + 3.0 * noise).astype(np.float32)

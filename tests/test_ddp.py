@@ -42,13 +42,14 @@ ROOT = Path(__file__).parent.parent
 WORKER = ROOT / "tests" / "workers" / "ddp_checks.py"
 TIMEOUT_S = int(os.environ.get("GQSGD_TEST_LAUNCH_TIMEOUT", "600"))
 ALL = ("exact", "recorded", "unbiased", "independent", "options", "subgroup", "bad_bits",
-       "non_finite", "checkpoint", "join", "training")
+       "non_finite", "checkpoint", "join", "training", "two_stage")
 # name -> (controller, ranks, extra env, checks run)
 CONFIGS = {
     "local-np2": ("local", 2, {}, ALL),
     "local-np3": ("local", 3, {}, ALL),
     # the torch-ops path of CUDA tensors, run on CPU tensors
-    "generic-np2": ("local", 2, {"HVD_GQSGD_KERNELS": "0"}, ALL[:-1]),
+    "generic-np2": ("local", 2, {"HVD_GQSGD_KERNELS": "0"},
+                    tuple(c for c in ALL if c != "training")),
     "hosts-np2": ("hosts", 2, {}, ("exact", "recorded", "options", "subgroup", "join")),
     "torchrun-np2": ("torchrun", 2, {}, ("exact", "options")),
     # one torchrun per emulated host, static rendezvous at host 0: torchrun across nodes
@@ -392,3 +393,65 @@ def test_digits_accuracy_within_half_a_point_of_plain_ddp(name, tmp_path_factory
     plain, hooked = np.mean(res[False]), np.mean(res[True])
     assert plain > 0.9, f"plain DDP reached only {plain:.3f}: the run is too short to compare"
     assert abs(hooked - plain) <= 0.005, f"GlobalQSGD {hooked:.4f} vs plain DDP {plain:.4f}"
+
+
+# --------------------------------------------------------------------------- two-stage
+
+
+def _two_stage_serials(buckets: int, start: int) -> tuple[list[int], list[int], int]:
+    """Noise-key serials of a step's buckets: each hook quantizes its bucket (stage 1), then
+    requantizes the previous bucket, whose reduce-scatter has had this bucket's backward to
+    finish; the last hook also requantizes its own (hvd_gqsgd.ddp._two_stage_hook)."""
+    serial, first, second = start, [], [0] * buckets
+    for i in range(buckets):
+        serial += 1
+        first.append(serial)
+        if i > 0:
+            serial += 1
+            second[i - 1] = serial
+    second[-1] = serial + 1
+    return first, second, serial + 1
+
+
+@pytest.mark.parametrize("name", _configs("two_stage"))
+def test_two_stage_hook_replays_the_oracle(name, tmp_path_factory):
+    """Every bucket of two steps, fp32 and fp16 buffers, 8 and 4 bits: with the kernels the
+    result equals the two-stage oracle's bit for bit (same noise keys); on the generic path
+    it is within the rounding bound; on every rank bit-identical."""
+    from two_stage_oracle import across, segment_ids, stage_levels
+
+    ranks = _ranks(name, tmp_path_factory)
+    n, fused = len(ranks), "generic" not in name
+    for case, first_rank in ranks[0]["two_stage"].items():
+        bits, dtype = case
+        calls = [r["two_stage"][case]["calls"] for r in ranks]
+        steps = 2
+        per_step = len(calls[0]) // steps
+        assert per_step >= 2 and len(calls[0]) == steps * per_step  # several buckets
+        serial = 0
+        for step in range(steps):
+            first, second, serial = _two_stage_serials(per_step, serial)
+            for i in range(per_step):
+                k = step * per_step + i
+                numels = calls[0][k][0]
+                got = calls[0][k][2]
+                for other in calls[1:]:
+                    np.testing.assert_array_equal(other[k][2], got)  # bit-identical
+                xs = [c[k][1].astype(np.float32) for c in calls]
+                seg = segment_ids(numels, BLOCK)
+                scale = np.zeros(seg.max() + 1)
+                for x in xs:
+                    np.maximum.at(scale, seg, np.abs(x.astype(np.float64)))
+                if fused:
+                    keys = [(core.noise_key(core.rank_seed(7, r), first[i]),
+                             core.noise_key(core.rank_seed(7, r), second[i])) for r in range(n)]
+                    want = across(xs, seg, scale, bits, keys, 1.0 / n).out
+                    np.testing.assert_array_equal(got, _cast(want, dtype), err_msg=str(case))
+                else:
+                    l1, l2 = stage_levels(bits, n)
+                    bound = scale[seg] * (1 / l1 + 1 / l2) * (1 + 1e-6)  # of the average
+                    err = np.abs(got - np.mean(xs, axis=0, dtype=np.float64))
+                    tol = 0 if dtype == "float32" else np.abs(got) * 2.0**-10
+                    assert np.all(err <= bound + tol), case
+        stats = first_rank["stats"]
+        assert stats["rounds"] == steps and stats["last_payload"] > 0

@@ -32,6 +32,7 @@ from hier_inputs import (  # noqa: E402
     GRID,
     GRID_BITS,
     GROUP_NUMELS,
+    TWO_STAGE_NUMELS,
     node_levels,
     random_input,
     rank_grid,
@@ -430,3 +431,22 @@ def test_unequal_nodes_fall_back_to_flat_with_one_warning(unequal_ranks):
     np.testing.assert_array_equal(_all_equal([r["unequal"]["sum2"] for r in unequal_ranks]),
                                   exact)
     assert math.isclose(core.levels(8, n), 42)
+
+
+def test_two_stage_across_nodes_replays_the_oracle(ranks22):
+    """hierarchical=True with two_stage=True: node sums in float64, each node shard summed
+    across the nodes in wide lanes, requantized and gathered; equal to the oracle's bit for
+    bit (the fused path's noise keys are each rank's serials 1 and 2), on every rank."""
+    from two_stage_oracle import simulate_hierarchical
+
+    nodes, local, world = _shape(ranks22)
+    rank_of = {(c, j): r for r, (c, j) in enumerate(_node_of(ranks22))}
+    xs = [random_input(r, sum(TWO_STAGE_NUMELS)).astype(np.float32) for r in range(world)]
+    cases = ranks22[0]["two_stage"]
+    assert len(cases) == 4
+    for bits, op in cases:
+        got = _all_equal([r["two_stage"][(bits, op)] for r in ranks22])
+        want = simulate_hierarchical(xs, list(TWO_STAGE_NUMELS), bits, 7,
+                                     1.0 / world if op == "average" else 1.0, nodes, local,
+                                     rank_of, block=BLOCK)
+        np.testing.assert_array_equal(got, want, err_msg=f"{bits} {op}")

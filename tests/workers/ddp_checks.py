@@ -8,6 +8,7 @@ values are computed in this file.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import sys
@@ -28,7 +29,13 @@ from ddp_inputs import (  # noqa: E402
     random_inputs,
 )
 
-from hvd_gqsgd.ddp import GlobalQSGDState, global_qsgd_hook  # noqa: E402
+from hvd_gqsgd.ddp import GlobalQSGDState as _GlobalQSGDState  # noqa: E402
+from hvd_gqsgd.ddp import global_qsgd_hook  # noqa: E402
+
+# These scenarios test the flat hook, whose levels the test's simulation assumes at every
+# bits; the default (two_stage=None) would pick two-stage below 15 levels
+# (tests/workers/ddp_checks.py's two_stage scenario and test_ddp.py cover that).
+GlobalQSGDState = functools.partial(_GlobalQSGDState, two_stage=False)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}
@@ -248,8 +255,38 @@ def _train(rank, n, seed, epochs, hook):
         return float((model(torch.from_numpy(xte)).argmax(1).numpy() == yte).mean())
 
 
+def two_stage(rank, n):
+    """The two-stage hook over DDP's small buckets (bucket_cap_mb=0.01: several per step),
+    two steps: each bucket's gradients and buffer as the hook got them and as it returned
+    them, in hook order.  fp16 buckets too (quantized in fp32, returned in fp16)."""
+    out = {}
+    for bits, dtype in ((8, torch.float32), (4, torch.float32), (8, torch.float16)):
+        state = _GlobalQSGDState(bits=bits, two_stage=True, seed=7)
+        calls = []
+
+        def hook(st, bucket, calls=calls):
+            call = [[g.numel() for g in bucket.gradients()],
+                    bucket.buffer().detach().double().numpy().copy(), None]
+            calls.append(call)  # in hook order; the futures complete in any order
+            future = global_qsgd_hook(st, bucket)
+
+            def keep(done, call=call):
+                call[2] = done.value().detach().double().numpy().copy()
+                return done.value()
+
+            return future.then(keep)
+
+        model = DDP(Params(SHAPES, dtype), bucket_cap_mb=0.01)
+        model.register_comm_hook(state, hook)
+        for step in range(2):
+            _backward(model, random_inputs(rank, step), dtype)
+        out[(bits, str(dtype).replace("torch.", ""))] = {"calls": calls,
+                                                         "stats": state.stats.as_dict()}
+    return out
+
+
 CHECKS = [exact, recorded, unbiased, independent, options, subgroup, bad_bits, non_finite,
-          checkpoint, join, training]
+          checkpoint, join, training, two_stage]
 
 
 def main():

@@ -7,6 +7,7 @@ simulation.  No checking happens here.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import sys
@@ -18,9 +19,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import horovod.torch as hvd  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from hier_inputs import BLOCK, GRID_BITS, GROUP_NUMELS, random_input, rank_grid  # noqa: E402
+from hier_inputs import (  # noqa: E402
+    BLOCK,
+    GRID_BITS,
+    GROUP_NUMELS,
+    TWO_STAGE_NUMELS,
+    random_input,
+    rank_grid,
+)
 
-from hvd_gqsgd import GlobalQSGD  # noqa: E402
+from hvd_gqsgd import GlobalQSGD as _GlobalQSGD  # noqa: E402
+
+# These scenarios test flat Global-QSGD, whose levels the test's simulation assumes at every
+# bits; the default (two_stage=None) would pick two-stage below 15 levels
+# (tests/workers/two_stage_checks.py covers that).
+GlobalQSGD = functools.partial(_GlobalQSGD, two_stage=False)
+
 
 OPS = {"sum": hvd.Sum, "average": hvd.Average}
 
@@ -110,6 +124,22 @@ def optimizer_grads(rank: int) -> dict:
     return {"local": local, "reduced": [_np(p.grad) for p in model.parameters()]}
 
 
+def two_stage(rank: int) -> dict:
+    """Hierarchical two-stage: node sums summed across nodes in wide lanes, requantized, and
+    gathered; 16-element scale blocks straddle the node shards and the cross pieces."""
+    out = {}
+    xs = np.split(random_input(rank, sum(TWO_STAGE_NUMELS)).astype(np.float32),
+                  np.cumsum(TWO_STAGE_NUMELS)[:-1])
+    for bits in (4, 8):
+        for op in ("sum", "average"):
+            comp = GlobalQSGD(bits=bits, hierarchical=True, two_stage=True, seed=7,
+                              chunk_bytes=0, scale_block=BLOCK)
+            got = hvd.grouped_allreduce([torch.from_numpy(x) for x in xs], op=OPS[op],
+                                        compression=comp)
+            out[(bits, op)] = np.concatenate([_np(g) for g in got])
+    return out
+
+
 def unequal(rank: int, n: int) -> dict:
     """Unequal nodes: flat Global-QSGD with a warning; flat's grid inputs sum exactly."""
     level = (2 ** 7 - 1) // n
@@ -138,6 +168,7 @@ def main() -> None:
         if mode == "nodes":  # the long ones: 2 x 40 rounds, an optimizer
             results["moments"] = moments(rank)
             results["optimizer_grads"] = optimizer_grads(rank)
+            results["two_stage"] = two_stage(rank)
     else:
         results["unequal"] = unequal(rank, n)
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:

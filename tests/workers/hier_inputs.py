@@ -15,6 +15,7 @@ GRID = 2.0**-3
 GRID_BITS = (3, 4, 8, 16)
 GROUP_NUMELS = (70, 45, 1, 3)  # several tensors in one bucket; 1 and 3 leave shards empty
 BLOCK = 16  # scale_block of the grouped cases: blocks straddle shard boundaries
+TWO_STAGE_NUMELS = (*GROUP_NUMELS, 5000)  # tensors that leave shards empty, and a big one
 
 
 def node_levels(bits: int, nodes: int) -> int:

@@ -7,6 +7,7 @@ loads all ranks' files and compares them with a single-process simulation.  Inpu
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import sys
@@ -24,8 +25,14 @@ from inputs import (  # noqa: E402
     training_data,
 )
 
-from hvd_gqsgd import GlobalQSGD, QSGDAllgather, core  # noqa: E402
+from hvd_gqsgd import GlobalQSGD as _GlobalQSGD  # noqa: E402
+from hvd_gqsgd import QSGDAllgather, core
 from hvd_gqsgd.torch import TorchBackend  # noqa: E402
+
+# These scenarios test flat Global-QSGD, whose levels the test's simulation assumes at every
+# bits; the default (two_stage=None) would pick two-stage below 15 levels
+# (tests/workers/two_stage_checks.py covers that).
+GlobalQSGD = functools.partial(_GlobalQSGD, two_stage=False)
 
 OPS = {"sum": hvd.Sum, "average": hvd.Average}
 

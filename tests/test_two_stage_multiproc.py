@@ -1,0 +1,246 @@
+"""Two-stage GlobalQSGD through real Horovod collectives (reduce-scatter and allgather),
+PyTorch and TensorFlow, 2, 3, 4 and 8 ranks, Gloo and MPI, against tests/two_stage_oracle.py.
+
+Each configuration runs tests/workers/two_stage_checks.py once.  The fused (CPU) path draws
+its rounding noise from a counter-based stream that the oracle replays, so its results must
+equal the oracle's bit for bit; the generic path (what CUDA tensors take) has noise of its
+own and must stay within the rounding bound and be bit-identical on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import numpy as np
+import pytest
+from inputs import TWO_STAGE_NUMELS, TWO_STAGE_SEED, two_stage_input
+from launch import run
+from two_stage_oracle import predicted_variance, segment_ids, simulate, stage_levels
+
+from hvd_gqsgd import core
+
+pytestmark = pytest.mark.multiproc
+
+# (framework, controller, ranks, scenarios or None for all); 8 ranks oversubscribe 2 cores
+CONFIGS = [("torch", "gloo", 2, None), ("torch", "mpi", 3, None), ("torch", "gloo", 4, None),
+           ("torch", "mpi", 8, "lane_extremes,oracle,flat_and_two,default_choice"),
+           ("tf", "gloo", 2, None), ("tf", "mpi", 3, None)]
+_JOBS: dict = {}
+
+
+def _job(config, tmp_path_factory):
+    if config not in _JOBS:
+        framework, controller, n, only = config
+        out = tmp_path_factory.mktemp(f"two-stage-{framework}-{controller}-{n}")
+        proc = run("two_stage_checks.py", controller, n, str(out), framework,
+                   *([only] if only else []))
+        if proc.returncode != 0:
+            raise AssertionError(f"{config} failed (exit {proc.returncode}):\n"
+                                 f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+        results = []
+        for r in range(n):
+            with open(out / f"rank{r}.pkl", "rb") as f:
+                results.append(pickle.load(f))
+        assert [r["size"] for r in results] == [n] * n
+        _JOBS[config] = results
+    return _JOBS[config]
+
+
+def configs(scenario: str, framework: str | None = None) -> list:
+    """The configurations whose job runs ``scenario`` (as pytest params)."""
+    return [pytest.param(c, id=f"{c[0]}-{c[1]}-np{c[2]}") for c in CONFIGS
+            if (c[3] is None or scenario in c[3].split(",")) and framework in (None, c[0])]
+
+
+def _all_equal(values):
+    for v in values[1:]:
+        np.testing.assert_array_equal(v, values[0])  # bit-identical on every rank
+    return values[0]
+
+
+@pytest.mark.parametrize("config", configs("lane_extremes"))
+def test_stage_one_lanes_sum_exactly_at_the_extremes(config, tmp_path_factory):
+    ranks = _job(config, tmp_path_factory)
+    n = len(ranks)
+    got = [r["lane_extremes"] for r in ranks]
+    assert len(got[0]) == 3 * (core.MAX_BITS - core.MIN_BITS + 1)
+    for bits, pattern in got[0]:
+        w, level = core.two_stage_bits(bits, n), core.two_stage_levels(bits, n)
+        numel = n * 3 * core.lanes_per_word(w)
+        codes = [{"all_max": np.full(numel, level), "all_min": np.full(numel, -level),
+                  "random": np.random.default_rng([bits, r]).integers(-level, level + 1, numel)
+                  }[pattern] for r in range(n)]
+        total = np.sum(codes, axis=0)
+        shard = numel // n
+        for r in range(n):
+            np.testing.assert_array_equal(got[r][(bits, pattern)],
+                                          total[r * shard:(r + 1) * shard],
+                                          err_msg=f"bits={bits} {pattern} rank {r}")
+
+
+@pytest.mark.parametrize("config", configs("oracle"))
+def test_results_equal_the_oracle_bit_for_bit(config, tmp_path_factory):
+    ranks = _job(config, tmp_path_factory)
+    n = len(ranks)
+    cases = ranks[0]["oracle"].keys()
+    assert len(cases) >= 8
+    for bits, op, kind, graph in cases:
+        got = _all_equal([r["oracle"][(bits, op, kind, graph)][0] for r in ranks])
+        xs = [two_stage_input(r, n, kind) for r in range(n)]
+        want = simulate(xs, TWO_STAGE_NUMELS, bits, TWO_STAGE_SEED,
+                        1.0 / n if op == "average" else 1.0)
+        np.testing.assert_array_equal(got, want.out, err_msg=f"{bits} {op} {kind} {graph}")
+
+
+@pytest.mark.parametrize("config", configs("oracle"))
+def test_stats_count_both_phases(config, tmp_path_factory):
+    ranks = _job(config, tmp_path_factory)
+    n = len(ranks)
+    counts, _ = core.segments(TWO_STAGE_NUMELS, core.DEFAULT_SCALE_BLOCK)
+    for (bits, _op, _kind, graph), (_, stats) in ranks[0]["oracle"].items():
+        if graph:
+            continue
+        plan = core.two_stage_plan(counts, n, bits)
+        # the reduce-scatter's input and the allgather's output, in allreduce terms
+        assert stats["last_payload"] == 4 * (n * plan.shard_words + n * plan.message_words)
+        assert stats["last_uncompressed"] == 4 * sum(TWO_STAGE_NUMELS)
+        assert stats["last_overhead"] == (core.scale_exchange_bytes(len(counts))
+                                          + core.PROBE_BYTES * len(TWO_STAGE_NUMELS))
+
+
+def _bound(xs, bits):
+    """Per element, the most the sum can be off: n stage-1 steps plus one stage-2 step,
+    whose part max |sum| is at most n L1 (so the step at most n s / L2)."""
+    n = len(xs)
+    l1, l2 = stage_levels(bits, n)
+    seg = segment_ids(TWO_STAGE_NUMELS, 1024)
+    scale = np.zeros(seg.max() + 1)
+    for x in xs:
+        np.maximum.at(scale, seg, np.abs(x.astype(np.float64)))
+    return n * scale[seg] * (1 / l1 + 1 / l2) * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("config", configs("generic"))
+def test_generic_path_within_the_bound_and_identical(config, tmp_path_factory):
+    ranks = _job(config, tmp_path_factory)
+    n = len(ranks)
+    xs = [two_stage_input(r, n) for r in range(n)]
+    exact = np.sum(xs, axis=0, dtype=np.float64)
+    generic = [r["generic"] for r in ranks]
+    for key in generic[0]:
+        got = _all_equal([g[key] for g in generic])
+        err = np.abs(got - exact)
+        assert np.all(err <= _bound(xs, key[0])), key
+        assert err.max() > 0  # it really was quantized
+
+
+@pytest.mark.parametrize("config", configs("unbiased"))
+def test_unbiased_and_each_round_replays_the_oracle(config, tmp_path_factory):
+    ranks = _job(config, tmp_path_factory)
+    n = len(ranks)
+    rounds = np.array(_all_equal([np.array(u) for u in [r["unbiased"] for r in ranks]]))
+    xs = [two_stage_input(r, n, numels=[1024]) for r in range(n)]
+    for k in (0, len(rounds) - 1):  # round k rounds with key serials 2k+1 and 2k+2
+        want = simulate(xs, [1024], 4, 5, 1.0, serial=2 * k + 1)
+        np.testing.assert_array_equal(rounds[k], want.out)
+    err = rounds - np.sum(xs, axis=0, dtype=np.float64)
+    sd = err.std(0, ddof=1)
+    # an element rounds the same way in every round when its rounding is (nearly) exact
+    z = err.mean(0)[sd > 0] / (sd[sd > 0] / math.sqrt(len(rounds)))
+    assert z.size > 900 and abs(z.mean()) < 5 / math.sqrt(z.size)  # the mean of t-scores
+    assert 0.8 < z.std() < 1.3
+
+
+@pytest.mark.parametrize("config", configs("flat_and_two"))
+def test_error_below_flat_by_the_predicted_factor(config, tmp_path_factory):
+    ranks = _job(config, tmp_path_factory)
+    n = len(ranks)
+    xs = [two_stage_input(r, n) for r in range(n)]
+    exact = np.sum(xs, axis=0, dtype=np.float64)
+    runs = _all_equal([r["flat_and_two"]["two"] for r in ranks])
+    for s, got in enumerate(runs):  # seeded: each replays the oracle
+        np.testing.assert_array_equal(got, simulate(xs, TWO_STAGE_NUMELS, 8, s, 1.0).out)
+    two = np.mean([np.sum((g - exact) ** 2) for g in runs])
+    flat = np.mean([np.sum((g - exact) ** 2) for g in ranks[0]["flat_and_two"]["flat"]])
+    flat_var, two_var = predicted_variance(xs, TWO_STAGE_NUMELS, 8)
+    assert two < flat
+    assert two / flat == pytest.approx(two_var / flat_var, rel=0.3)
+
+
+@pytest.mark.parametrize("config", configs("default_choice"))
+def test_default_goes_two_stage_below_15_levels(config, tmp_path_factory):
+    ranks = _job(config, tmp_path_factory)
+    n = len(ranks)
+    counts, _ = core.segments(TWO_STAGE_NUMELS, core.DEFAULT_SCALE_BLOCK)
+    for bits, stats in ranks[0]["default_choice"].items():
+        two = core.flat_levels(bits, n) < 15
+        expected = (core.two_stage_plan(counts, n, bits).wire_bytes() if two
+                    else core.wire_bytes(sum(TWO_STAGE_NUMELS), bits))
+        assert stats["last_payload"] == expected, (bits, n)
+
+
+@pytest.mark.parametrize("config", configs("process_set"))
+def test_process_set_members_match_the_oracle(config, tmp_path_factory):
+    ranks = _job(config, tmp_path_factory)
+    got = [g for g in [r["process_set"] for r in ranks] if g is not None]
+    size = got[0]["set_size"]
+    assert len(got) == size == (len(ranks) + 1) // 2
+    xs = [two_stage_input(r, size) for r in range(size)]
+    want = simulate(xs, TWO_STAGE_NUMELS, 8, TWO_STAGE_SEED, 1.0)
+    np.testing.assert_array_equal(_all_equal([g["got"] for g in got]), want.out)
+
+
+@pytest.mark.parametrize("config", configs("optimizer"))
+def test_optimizer_gradients_within_the_bound(config, tmp_path_factory):
+    ranks = _job(config, tmp_path_factory)
+    n = len(ranks)
+    opt = [r["optimizer"] for r in ranks]
+    reduced = [np.concatenate([g.ravel() for g in o["reduced"]]) for o in opt]
+    got = _all_equal(reduced)
+    locals_ = [np.concatenate([g.ravel() for g in o["local"]]) for o in opt]
+    exact = np.sum(locals_, axis=0)
+    if ranks[0]["framework"] == "tf":
+        exact = exact / n  # the tape's default op is Average
+    l1, l2 = stage_levels(8, n)
+    offset, worst = 0, 0.0
+    for g in opt[0]["local"]:  # scale blocks lie inside tensors: bound by the tensor's max
+        k = g.size
+        top = max(float(np.abs(loc[offset:offset + k]).max()) for loc in locals_)
+        bound = n * top * (1 / l1 + 1 / l2) * (1 + 1e-6)
+        if ranks[0]["framework"] == "tf":
+            bound /= n
+        err = np.abs(got[offset:offset + k] - exact[offset:offset + k])
+        assert np.all(err <= bound)
+        worst = max(worst, float(err.max()))
+        offset += k
+    assert worst > 0
+
+
+@pytest.mark.parametrize("config", configs("keras_fit", "tf"))
+def test_keras3_fit_trains_identically_on_every_rank(config, tmp_path_factory):
+    ranks = _job(config, tmp_path_factory)
+    fits = [r["keras_fit"] for r in ranks]
+    two = [np.concatenate([w.ravel() for w in f["two"]]) for f in fits]
+    none = np.concatenate([w.ravel() for w in fits[0]["none"]])
+    got = _all_equal(two)
+    assert not np.array_equal(got, none)  # the gradients were quantized ...
+    np.testing.assert_allclose(got, none, atol=2e-3)  # ... and still averaged
+
+
+@pytest.mark.parametrize("config", configs("qprsgd", "torch"))
+def test_qprsgd_sync_averages_within_the_bound(config, tmp_path_factory):
+    """QPRSGD's allreduce sync through a two-stage GlobalQSGD: every rank ends with the same
+    model, within the rounding bound of the exact average of the ranks' local models."""
+    ranks = _job(config, tmp_path_factory)
+    n = len(ranks)
+    runs = [r["qprsgd"] for r in ranks]
+    l1, l2 = stage_levels(8, n)
+    for i, start in enumerate(runs[0]["start"]):
+        synced = _all_equal([r["synced"][i] for r in runs])
+        diffs = [r["local"][i] - start for r in runs]
+        assert max(float(np.abs(d).max()) for d in diffs) > 0  # the ranks moved apart
+        exact = start + np.mean(diffs, axis=0)
+        top = max(float(np.abs(d).max()) for d in diffs)  # a bound on each block's scale
+        bound = top * (1 / l1 + 1 / l2) * (1 + 1e-6) + 2.0**-22 * np.abs(exact)  # + fp32
+        assert np.all(np.abs(synced - exact) <= bound)
