@@ -10,17 +10,23 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from pathlib import Path
 from typing import Any
 
 from hvd_gqsgd import GlobalQSGD, QSGDAllgather
 
+GQSGD_NAME = re.compile(r"gqsgd(\d+)(ts|flat)?(?:@(\d+)k)?")
+TWO_STAGE = {"ts": True, "flat": False, None: None}
+
 
 def compressor(name: str, hvd: Any, process_set: Any = None) -> Any:
-    """``none``, ``fp16``, ``qsgd<bits>`` or ``gqsgd<bits>[@<chunk KiB>k]``."""
-    m = re.fullmatch(r"gqsgd(\d+)(?:@(\d+)k)?", name)
+    """``none``, ``fp16``, ``qsgd<bits>`` or ``gqsgd<bits>[ts|flat][@<chunk KiB>k]`` (``ts``:
+    ``two_stage=True``, ``flat``: ``False``, neither: the default, chosen by world size)."""
+    m = GQSGD_NAME.fullmatch(name)
     if m:
-        chunk = {} if m.group(2) is None else {"chunk_bytes": int(m.group(2)) * 1024}
-        return GlobalQSGD(bits=int(m.group(1)), process_set=process_set, **chunk)
+        chunk = {} if m.group(3) is None else {"chunk_bytes": int(m.group(3)) * 1024}
+        return GlobalQSGD(bits=int(m.group(1)), process_set=process_set,
+                          two_stage=TWO_STAGE[m.group(2)], **chunk)
     if name.startswith("qsgd"):  # the per-rank-scale baseline over an allgather
         return QSGDAllgather(bits=int(name[4:]))
     return {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[name]
@@ -52,3 +58,16 @@ def train_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--compressors", default="none,fp16,gqsgd8")
     return parser.parse_args()
+
+
+def write_section(path: Path, name: str, lines: list[str], title: str = "") -> None:
+    """Replace the block between ``<!-- name begin -->`` and ``<!-- name end -->`` in the
+    markdown file ``path`` by ``lines`` (appended, after ``title`` for a new file, when the
+    markers are missing); the rest of the file is kept, so each benchmark command rewrites
+    only its own section."""
+    begin, end = f"<!-- {name} begin -->", f"<!-- {name} end -->"
+    text = path.read_text() if path.exists() else (f"{title}\n\n" if title else "")
+    if begin not in text:
+        text = text.rstrip("\n") + f"\n\n{begin}\n{end}\n"
+    head, rest = text.split(begin, 1)
+    path.write_text(head + begin + "\n" + "\n".join(lines) + "\n" + end + rest.split(end, 1)[1])

@@ -19,16 +19,20 @@ import sys
 import time
 from pathlib import Path
 
+from bench_common import write_section
 from emulated_hosts import EmulatedHosts, require_root
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "benchmarks" / "ddp_bench_worker.py"
-BEGIN, END = "<!-- ddp_bench begin -->", "<!-- ddp_bench end -->"
 LABELS = {"default": "DDP default allreduce (fp32)", "fp16": "`fp16_compress_hook`",
           "bf16": "`bf16_compress_hook`", "powersgd1": "`powerSGD_hook`, rank 1 (one bucket)",
           "powersgd4": "`powerSGD_hook`, rank 4 (one bucket)", "gqsgd8": "**GlobalQSGD(8)** hook",
           "gqsgd4": "**GlobalQSGD(4)** hook", "hvd-none": "Horovod, no compression",
-          "hvd-gqsgd8": "Horovod + GlobalQSGD(8)"}
+          "hvd-gqsgd8": "Horovod + GlobalQSGD(8)",
+          "gqsgd8flat": "GlobalQSGD(8, two_stage=False) hook",
+          "gqsgd8ts": "GlobalQSGD(8, two_stage=True) hook (Gloo: all_to_all + sum)",
+          "gqsgd8ts-rs": "GlobalQSGD(8, two_stage=True) hook, Gloo reduce_scatter",
+          "gqsgd4ts": "GlobalQSGD(4, two_stage=True) hook"}
 
 
 def run_job(net: EmulatedHosts, mode: str, variants: str, args) -> list[dict]:
@@ -61,14 +65,6 @@ def table(rows: list[dict], rate: str) -> list[str]:
             f", {time.strftime('%Y-%m-%d')}).", "", *lines]
 
 
-def write(path: Path, lines: list[str]) -> None:
-    text = path.read_text() if path.exists() else f"# PyTorch DDP\n\n{BEGIN}\n{END}\n"
-    if BEGIN not in text:
-        text += f"\n{BEGIN}\n{END}\n"
-    head, rest = text.split(BEGIN, 1)
-    path.write_text(head + BEGIN + "\n" + "\n".join(lines) + "\n" + END + rest.split(END, 1)[1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hosts", default="2,4")
@@ -94,7 +90,7 @@ def main() -> None:
             print(json.dumps(r), flush=True)
         rows += got
     lines = table(rows, args.rate)
-    write(Path(args.out), lines)
+    write_section(Path(args.out), "ddp_bench", lines, "# PyTorch DDP")
     print("\n".join(lines))
 
 

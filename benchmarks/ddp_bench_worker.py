@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -51,10 +52,16 @@ def register(net: DDP, name: str) -> Any:
                                             start_powerSGD_iter=2)
         net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     elif name.startswith("gqsgd"):
-        from hvd_gqsgd.ddp import GlobalQSGDState, global_qsgd_hook
+        import hvd_gqsgd.ddp as hook_module
 
-        state = GlobalQSGDState(bits=int(name[5:]))
-        net.register_comm_hook(state, global_qsgd_hook)
+        m = re.fullmatch(r"gqsgd(\d+)(ts|flat)?(-rs)?", name)
+        if m is None:
+            raise ValueError(f"unknown variant {name!r}: gqsgd<bits>[ts|flat][-rs]")
+        # -rs: the two-stage reduce-scatter as Gloo's reduce_scatter instead of all_to_all
+        hook_module.GLOO_REDUCE_SCATTER = "reduce_scatter" if m.group(3) else "all_to_all"
+        state = hook_module.GlobalQSGDState(
+            bits=int(m.group(1)), two_stage={"ts": True, "flat": False, None: None}[m.group(2)])
+        net.register_comm_hook(state, hook_module.global_qsgd_hook)
         return state
     elif name != "default":
         raise ValueError(f"unknown variant {name!r}: expected one of {VARIANTS}")
@@ -129,12 +136,10 @@ def run_ddp(name: str, task: Task, args) -> dict:
 
 def run_horovod(name: str, task: Task, args) -> dict:
     import horovod.torch as hvd
-
-    from hvd_gqsgd import GlobalQSGD
+    from bench_common import compressor
 
     net = model(args.width)
-    kind = name.removeprefix("hvd-")  # hvd-none or hvd-gqsgd<bits>
-    compression = GlobalQSGD(bits=int(kind[5:])) if kind != "none" else hvd.Compression.none
+    compression = compressor(name.removeprefix("hvd-"), hvd)  # hvd-none, hvd-gqsgd8ts, ...
     opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=args.lr),
                                    named_parameters=net.named_parameters(),
                                    compression=compression)

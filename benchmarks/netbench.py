@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -38,6 +37,8 @@ from pathlib import Path
 from emulated_hosts import EmulatedHosts, require_root
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench_common import GQSGD_NAME, TWO_STAGE  # noqa: E402
+
 from hvd_gqsgd import core  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,8 +65,15 @@ def run_job(hosts: int, rate: str, worker: str, *args: str) -> list[dict]:
 
 
 def gq_bits(name: str) -> int:
-    """bits of a ``gqsgd<bits>[@<KiB>k]`` name (see allreduce_worker.compressor)."""
-    return int(re.fullmatch(r"gqsgd(\d+)(?:@\d+k)?", name).group(1))  # type: ignore[union-attr]
+    """bits of a ``gqsgd<bits>[ts|flat][@<KiB>k]`` name (see bench_common.compressor)."""
+    return int(GQSGD_NAME.fullmatch(name).group(1))  # type: ignore[union-attr]
+
+
+def gq_two_stage(name: str, hosts: int) -> bool:
+    """Whether a ``gqsgd`` name runs two-stage on ``hosts`` ranks (as the compressor decides)."""
+    m = GQSGD_NAME.fullmatch(name)
+    assert m is not None
+    return core.use_two_stage(TWO_STAGE[m.group(2)], int(m.group(1)), hosts)
 
 
 def predict(times: dict, hosts: int, rate: float, mb: float, name: str) -> float:
@@ -80,8 +88,12 @@ def predict(times: dict, hosts: int, rate: float, mb: float, name: str) -> float
         wire = core.wire_bytes(int(nbytes // 4), int(name[4:]))  # taken from GlobalQSGD's
         return (2 * times["latency"] + (hosts - 1) * wire * 8 / rate
                 + times.get(f"local_g{name}", float("nan")))
-    wire = ring * core.wire_bytes(int(nbytes // 4), gq_bits(name)) * 8 / rate
     local = times[f"local_{name}"]
+    if gq_two_stage(name, hosts):  # scale, probe, reduce-scatter, allgather; both phases
+        counts, _ = core.segments([int(nbytes // 4)], core.DEFAULT_SCALE_BLOCK)
+        plan = core.two_stage_plan(counts, hosts, gq_bits(name))
+        return 4 * times["latency"] + ring * plan.wire_bytes() * 8 / rate + local
+    wire = ring * core.wire_bytes(int(nbytes // 4), gq_bits(name)) * 8 / rate
     if "@" not in name or name.endswith("@0k"):  # one allreduce: quantize, then send
         return 3 * times["latency"] + wire + local
     return 3 * times["latency"] + max(wire, local)  # chunked: full overlap (a lower bound)
