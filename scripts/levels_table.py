@@ -3,14 +3,16 @@
     python scripts/levels_table.py                            # print the tables
     python scripts/levels_table.py --write docs/MULTINODE.md  # replace the marked block
 
-Every number comes from :mod:`hvd_gqsgd.core` (``levels``, ``min_bits``, ``wire_bytes``), so
-the docs cannot drift from the formula; tests/test_docs.py checks that the block in the doc
-equals this script's output.
+Every number comes from :mod:`hvd_gqsgd.core` (``levels``, ``min_bits``, ``wire_bytes``,
+``two_stage_plan``), so the docs cannot drift from the formula, except the error column,
+which it reads from docs/two_stage_error.json (``benchmarks/two_stage_sim.py`` writes it);
+tests/test_docs.py checks that the block in the doc equals this script's output.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -19,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hvd_gqsgd import core  # noqa: E402
 
 __all__ = ["BITS", "WORLD_SIZES", "TARGET_LEVELS", "RANKS_PER_NODE", "BEGIN", "END", "render",
-           "replace_block", "hierarchical_cell"]
+           "replace_block", "hierarchical_cell", "two_stage_cell", "error_cell"]
 
 BITS = (4, 8, 16)
 WORLD_SIZES = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -69,6 +71,35 @@ def hierarchical_cell(n: int, per_node: int = RANKS_PER_NODE) -> str:
     return " / ".join(cell(b, nodes) for b in BITS)
 
 
+ERRORS = Path(__file__).resolve().parent.parent / "docs" / "two_stage_error.json"
+ERROR_BITS = 8
+
+
+def two_stage_cell(n: int, bits: int = ERROR_BITS) -> str:
+    """``two_stage=True`` at ``bits``: the reduce-scatter's lane width and levels L1, the
+    allgather's levels L2, and bits per element in allreduce terms (both phases, for a
+    large bucket of 1024-element scale blocks)."""
+    counts, _ = core.segments([1 << 22], core.DEFAULT_SCALE_BLOCK)
+    plan = core.two_stage_plan(counts, n, bits)
+    return (f"{plan.lane_bits}-bit lanes, L1={plan.levels1}, L2={plan.levels2}, "
+            f"{8 * plan.wire_bytes() / plan.total:.1f} bits")
+
+
+def error_cell(n: int, errors: dict) -> str:
+    """Relative error of the averaged gradient at ERROR_BITS, flat / two-stage, from
+    benchmarks/two_stage_sim.py's last run (docs/two_stage_error.json)."""
+    row = errors.get(n)
+    if row is None:
+        return "not simulated"
+    flat = "refused" if row["flat"] is None else f"{row['flat']:.3g}"
+    return f"{flat} / {row['two-stage']:.3g}"
+
+
+def _errors() -> dict:
+    rows = json.loads(ERRORS.read_text())
+    return {r["ranks"]: r for r in rows if r["bits"] == ERROR_BITS}
+
+
 def _fmt(x: Fraction) -> str:
     return f"{float(x):.3g}"
 
@@ -90,11 +121,19 @@ def render() -> str:
              "| ranks n | " + " | ".join(f"bits={b}" for b in BITS)
              + f" | bits for L ≥ {TARGET_LEVELS} (L, bytes per element)"
              + f" | hierarchical, {RANKS_PER_NODE} ranks per node: L at bits="
-             + "/".join(str(b) for b in BITS) + " |",
-             "|---|" + "---|" * (len(BITS) + 2)]
+             + "/".join(str(b) for b in BITS)
+             + f" | two_stage=True at bits={ERROR_BITS}"
+             + f" | error at bits={ERROR_BITS}, flat / two-stage |",
+             "|---|" + "---|" * (len(BITS) + 4)]
+    errors = _errors()
     for n in WORLD_SIZES:
-        cells = [cell(b, n) for b in BITS] + [suggest(n), hierarchical_cell(n)]
+        cells = [cell(b, n) for b in BITS] + [suggest(n), hierarchical_cell(n),
+                                              two_stage_cell(n), error_cell(n, errors)]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines += ["", "The error column is the relative error of the averaged gradient, "
+              "`||g_hat - g|| / ||g||`, on real gradients (the digits MLP), from "
+              "`python benchmarks/two_stage_sim.py` (docs/TWO_STAGE.md); the other columns "
+              "come from the formulas alone."]
     return "\n".join(lines)
 
 
