@@ -256,9 +256,10 @@ def _train(rank, n, seed, epochs, hook):
 
 
 def two_stage(rank, n):
-    """The two-stage hook over DDP's small buckets (bucket_cap_mb=0.01: several per step),
-    two steps: each bucket's gradients and buffer as the hook got them and as it returned
-    them, in hook order.  fp16 buckets too (quantized in fp32, returned in fp16)."""
+    """The two-stage hook over DDP's small buckets (bucket_cap_mb=0.01: several per step
+    once DDP has rebuilt its buckets after the first), three steps: each bucket's gradients
+    and buffer as the hook got them and as it returned them, in hook order.  fp16 buckets
+    too (quantized in fp32, returned in fp16)."""
     out = {}
     for bits, dtype in ((8, torch.float32), (4, torch.float32), (8, torch.float16)):
         state = _GlobalQSGDState(bits=bits, two_stage=True, seed=7)
@@ -276,11 +277,15 @@ def two_stage(rank, n):
 
             return future.then(keep)
 
-        model = DDP(Params(SHAPES, dtype), bucket_cap_mb=0.01)
+        # 10 KB buckets of fp32 gradients, the same element counts in fp16
+        cap = 0.01 * torch.finfo(dtype).bits / 32
+        model = DDP(Params(SHAPES, dtype), bucket_cap_mb=cap)
         model.register_comm_hook(state, hook)
-        for step in range(2):
+        ends = []  # DDP uses one bucket in its first step, then rebuilds them
+        for step in range(3):
             _backward(model, random_inputs(rank, step), dtype)
-        out[(bits, str(dtype).replace("torch.", ""))] = {"calls": calls,
+            ends.append(len(calls))
+        out[(bits, str(dtype).replace("torch.", ""))] = {"calls": calls, "ends": ends,
                                                          "stats": state.stats.as_dict()}
     return out
 
