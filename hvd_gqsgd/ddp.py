@@ -398,8 +398,8 @@ def _finisher(state: GlobalQSGDState, buffer: torch.Tensor, flat: torch.Tensor,
 # --------------------------------------------------------------------------- two-stage
 
 # How a Gloo group reduce-scatters (benchmarks/ddp_bench.py measures both): "all_to_all"
-# (default) or "reduce_scatter", torch's reduce_scatter_single, which Gloo runs as a full
-# all_reduce of the input
+# (default) or "reduce_scatter", torch's reduce_scatter_single, which Gloo runs as a whole
+# all_reduce of the input, and blocking: its work has no future
 GLOO_REDUCE_SCATTER = "all_to_all"
 # torch >= 2.13 names them *_single; earlier releases only have the older names
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -464,10 +464,15 @@ def _reduce_scatter(words: torch.Tensor, plan: core.TwoStagePlan, group: Any
     ``all_to_all`` of the shards, then the int64 sum of the ``n`` received copies (every
     lane then holds ``n`` codes in ``[-L1, L1]``, inside its bound)."""
     n, q = plan.world_size, plan.shard_words
-    if dist.get_backend(group) != dist.Backend.GLOO or GLOO_REDUCE_SCATTER == "reduce_scatter":
+    gloo = dist.get_backend(group) == dist.Backend.GLOO
+    if not gloo or GLOO_REDUCE_SCATTER == "reduce_scatter":
         out = torch.empty(q, dtype=torch.int64, device=words.device)
         work = _reduce_scatter_single(out, words, op=dist.ReduceOp.SUM, group=group,
-                                      async_op=True)
+                                      async_op=not gloo)
+        if gloo:  # Gloo's reduce_scatter work has no future (Work::getFuture): it blocks
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(out)
+            return done
         return work.get_future().then(lambda _: out)
     received = torch.empty_like(words)
     work = dist.all_to_all_single(received, words, group=group, async_op=True)

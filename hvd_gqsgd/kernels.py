@@ -231,30 +231,42 @@ if numba is not None:
                     out[t] = numba.float64(lanes[numba.uint64(start) + t]) * scale
                 lo = end
 
-    def _decode_items(words, bits, offset, item_lane, item_out, item_count, item_scale,
-                      out):
-        # Two-stage messages (see Messages): item i is item_count[i] consecutive codes, one
-        # scale, whose first is lane item_lane[i] of the words (lanes counted over all of
-        # them) and whose values go to out[item_out[i]:...].  The codes are one rank's, never
-        # summed, but packed in the same signed-digit form, so U = W + H exposes them as
-        # plain fields (see _unpack_scale); the product is formed in float64 and rounded once
-        # on the store, as in _scale_lanes.
-        lanes = numba.int64(64 // bits)
+    def _unpack_fields(words, bits, offset, out):
+        # out[j * lanes + k] = lane k of word j as a signed integer, for every index below
+        # out.size: U = W + H turns a signed-digit word (summed or not) into plain bit
+        # fields (see _unpack_scale).  Lane-major inside a work item of words, so the inner
+        # loop is one shift and mask per word and vectorizes for any lane width (the word
+        # loop of _unpack_scale, with its inner loop over a run-time lane count, does not).
+        lanes = numba.uint64(64 // bits)
         half = numba.int64(1) << numba.int64(bits - 1)
         mask = numba.uint64((1 << bits) - 1)
+        full = min(numba.uint64(words.size), numba.uint64(out.size) // lanes)
+        per = numba.uint64(BLOCK) // lanes
+        for b in numba.prange((full + per - 1) // per):
+            j0 = numba.uint64(b) * per
+            j1 = min(full, j0 + per)
+            for k in range(lanes):
+                shift = numba.uint64(bits) * numba.uint64(k)
+                for j in range(j0, j1):  # unsigned: see _pairs
+                    field = ((numba.uint64(words[j]) + offset) >> shift) & mask
+                    out[j * lanes + k] = numba.int64(field) - half
+        if full < words.size:  # the last word, cut by out's end
+            u = numba.uint64(words[full]) + offset
+            for k in range(lanes):
+                t = full * lanes + numba.uint64(k)
+                if t < out.size:
+                    field = (u >> (numba.uint64(bits) * numba.uint64(k))) & mask
+                    out[t] = numba.int64(field) - half
+
+    def _scale_items(codes, item_lane, item_out, item_count, item_scale, out):
+        # Two-stage messages (see Messages): item i is item_count[i] consecutive codes with
+        # one scale, from codes[item_lane[i]] to out[item_out[i]]; the product is formed in
+        # float64 and rounded once on the store, as in _scale_lanes.
         for i in numba.prange(item_lane.size):
-            j = item_lane[i] // lanes
-            k = item_lane[i] - j * lanes
-            o, end = item_out[i], item_out[i] + item_count[i]
+            lane, o = numba.uint64(item_lane[i]), numba.uint64(item_out[i])
             scale = numba.float64(item_scale[i])
-            while o < end:
-                u = numba.uint64(words[j]) + offset
-                stop = min(end, o + lanes - k)
-                for t in range(o, stop):
-                    field = (u >> numba.uint64(bits * k)) & mask
-                    out[t] = numba.float64(numba.int64(field) - half) * scale
-                    k += 1
-                o, j, k = stop, j + 1, 0
+            for t in range(numba.uint64(item_count[i])):  # unsigned: see _pairs
+                out[o + t] = numba.float64(codes[lane + t]) * scale
 
     def _twin(fn):
         """Compile ``fn`` twice: threaded for big inputs, serial for small ones (a threaded
@@ -272,7 +284,8 @@ if numba is not None:
     _from_lanes = _twin(_from_lanes)
     _to_lanes = _twin(_to_lanes)
     _scale_lanes = _twin(_scale_lanes)
-    _decode_items = _twin(_decode_items)
+    _unpack_fields = _twin(_unpack_fields)
+    _scale_items = _twin(_scale_items)
 
 
 # ranks that launchers start on one host: Open MPI, horovodrun (Gloo), torchrun, MPICH/Hydra
@@ -748,16 +761,19 @@ class Summed:
 
 
 def lane_sums(words: np.ndarray, bits: int, out: np.ndarray) -> None:
-    """The exact lane sums of summed ``bits``-lane words into ``out`` (float64, which holds
-    every lane sum exactly: they are below 2**31).  Rewrites ``words`` (see :class:`Summed`)."""
+    """The exact lane sums of summed ``bits``-lane words (up to 32 bits) into ``out``: every
+    lane of the words in order, as many as ``out`` holds (float64 holds each one exactly:
+    they are below 2**31).  The words are only read."""
     if out.size:
-        Summed(words, bits).unpack_scale(0, out, 1.0)
+        _run(_unpack_fields, out.size, words, bits, _offset(bits), out)
 
 
 class Messages:
     """A two-stage bucket's gathered messages, decoded a tensor at a time: the twin of
     :class:`Summed` for :mod:`hvd_gqsgd.two_stage`, laid out by a
-    :class:`hvd_gqsgd.core.MessageLayout`.  It only reads the words."""
+    :class:`hvd_gqsgd.core.MessageLayout`.  Every lane of the words (the part slots' too,
+    never read) is unpacked once into int16 codes, so that each part's codes are one
+    contiguous run; the words are only read."""
 
     def __init__(self, words: np.ndarray, layout: Any) -> None:
         self.words, self.layout = words, layout
@@ -765,6 +781,9 @@ class Messages:
         if items is None:
             items = layout.derived["kernel_items"] = _message_items(layout)
         self.items = items
+        bits = layout.bits
+        self.codes = host_array(words.size * (64 // bits), np.int16)  # |code| <= 2**15 - 1
+        _run(_unpack_fields, self.codes.size, words, bits, _offset(bits), self.codes)
 
     def part_max(self) -> np.ndarray:
         """Every part's max |sum|, from its slot, as float64 (exact: below 2**31)."""
@@ -780,9 +799,8 @@ class Messages:
         if a == b:
             return
         item_scale = np.asarray(scales).astype(out.dtype)[part[a:b] - p0]
-        bits = self.layout.bits
-        _run(_decode_items, out.size, self.words, bits, _offset(bits), lane[a:b],
-             pos[a:b] - start, count[a:b], item_scale, out)
+        _run(_scale_items, out.size, self.codes, lane[a:b], pos[a:b] - start, count[a:b],
+             item_scale, out)
 
 
 def _message_items(layout: Any) -> tuple[np.ndarray, ...]:
