@@ -180,19 +180,16 @@ def requantize(backend: Any, words: Any, plan: core.TwoStagePlan, index: int,
     return b.message(codes, part_max, plan.code_words, plan.part_slots)
 
 
-def gather(backend: Any, bucket: Any, plan: core.TwoStagePlan, layout: core.MessageLayout,
-           name: str, pset: Any, round_: Any) -> Any:
-    """Steps 4-5, COLLECTIVE: wait for the reduce-scatter, requantize this rank's shard,
-    allgather every rank's message and return the backend's decoder state
-    (``Backend.messages``)."""
+def gather(backend: Any, bucket: Any, plan: core.TwoStagePlan, name: str, pset: Any,
+           round_: Any) -> Any:
+    """Step 4 and the start of step 5, COLLECTIVE: wait for the reduce-scatter, requantize
+    this rank's shard and launch the allgather of every rank's message; returns its handle.
+    The engine waits for it and decodes with ``Backend.messages`` and the bucket's
+    :class:`~hvd_gqsgd.core.MessageLayout`."""
     b = backend
     with round_.timing("codes_wait_s"):
         words = b.wait(bucket.handles[0])
     bucket.handles = []
     with round_.timing("quantize_s"):
         message = requantize(b, words, plan, bucket.rank, bucket.rank)
-    handle = b.allgather_async(message, f"{name}.ag", pset)
-    with round_.timing("codes_wait_s"):
-        gathered = b.wait(handle)
-    with round_.timing("quantize_s"):
-        return b.messages(gathered, layout, bucket.steps)
+    return b.allgather_async(message, f"{name}.ag", pset)
