@@ -85,7 +85,7 @@ def deep_table(rows: list[dict]) -> list[str]:
             f"| {r['framework']} | {r['hosts']} | {r['rate']} | {r['name']} | "
             f"{r['median_s']:.3f} | {r['vs_none']:.2f}x | {r['vs_fp16']:.2f}x | "
             f"{r['floor']:.3f} | {r['median_s'] / r['floor']:.2f}x | "
-            f"{r['loss_start']:.4f} -> {r['loss_end']:.4f} |")
+            f"{r['loss_start']:.6f} -> {r['loss_end']:.6f} |")
     return lines
 
 

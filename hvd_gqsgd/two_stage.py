@@ -44,8 +44,10 @@ for flat: 8.6 at 2 ranks and 8 bits, 9.3 at 4, 10.4 at 8-16, 12 at 32-256.
 
 Hazards:
 
-* Collective order: every rank issues the reduce-scatter and the allgather of a bucket in
-  the same order as the other buckets' collectives (the engine's names make them match).
+* Collective order: ranks may launch different buckets' reduce-scatters and allgathers in
+  different orders (the engine moves each bucket on as soon as its last collective is back,
+  :meth:`hvd_gqsgd.engine.Engine._advance`); Horovod matches them by the engine's names,
+  which are the same on every rank.
 * Empty shards: a bucket of fewer words than ranks leaves the last ranks nothing to sum;
   they still send (all-zero) messages, so a tiny bucket costs ``n`` words at least.
 * Chunks (``chunk_bytes > 0``) are a flat-path feature; ``two_stage=True`` refuses them.
