@@ -73,8 +73,7 @@ class GlobalQSGD:
         process_set: Horovod process set for the compressor's own collectives; must be the
             same set the optimizer or ``hvd.allreduce`` reduces over (default: global).
         bucket_bytes: input bytes per bucket.  A bucket is sealed in ``compress`` once this
-            many bytes are queued (or, in eager mode, once as many tensors are queued as the
-            last round had): its scale exchange starts at once, and later ``compress``
+            many bytes are queued: its scale exchange starts at once, and later ``compress``
             calls quantize and send it as soon as that exchange has finished, without
             waiting.  Under ``hvd.DistributedOptimizer``, which calls ``compress`` from each
             gradient's backward hook, a deep model's codes then go on the wire while

@@ -8,7 +8,7 @@ Life of a round (all ranks must make the same calls in the same order)::
 
     compress(t1) .. compress(tk)        queue; return a 2-element probe per tensor
       [bucket full -> seal]             Settings.bucket_bytes reached (PyTorch: 8 MiB by
-                                        default), or, eager, as many tensors as last round:
+                                        default):
                                           1. COLLECTIVE  async MAX allreduce of local norms
                                              (one per scale block) + layout
       [every compress: advance]         for each sealed bucket whose exchange is back
@@ -244,8 +244,6 @@ class Engine:
         self._prefix = f"gqsgd.{uid}"  # same on every rank: compressors are built in order
         self._round = _Round()
         self._serial = 0  # names the next bucket's collectives
-        # tensors in the last eager round: a bucket is sealed when as many are queued
-        self._expected: int | None = None
         self._lock = threading.RLock()
 
     # ----------------------------------------------------------------- compress / decompress
@@ -329,14 +327,13 @@ class Engine:
         return b.decode(bucket.decoded, ctx.offset, ctx.tensor, steps * factor, block)
 
     def _full(self, r: _Round) -> bool:
-        """Whether the queue is a bucket to seal now: ``bucket_bytes`` reached, or (eager)
-        as many tensors as the last round had, which is where backward usually ends."""
+        """Whether the queue is a bucket to seal now: ``bucket_bytes`` reached.  Decided from
+        this round's tensors alone, which every rank has in common (a rank that elastic adds
+        mid-run has no history: one learned from earlier rounds would bucket differently)."""
         limit = self.settings.bucket_bytes
         if limit is None:
             limit = 0 if self.settings.hierarchical else self.backend.auto_bucket_bytes()
-        if not limit:
-            return False
-        return r.queued_bytes >= limit or r.tensors == self._expected
+        return bool(limit) and r.queued_bytes >= limit
 
     def _decode(self, bucket: Bucket) -> None:
         """Wait for a _SENT bucket's last collective and decode it, once per bucket."""
@@ -509,7 +506,6 @@ class Engine:
             self.stats.add_round(r.figures, r.tensors)
             self._round = _Round()
             if self.backend.stable_names():
-                self._expected = r.tensors
                 # Eager: restart names so Horovod's response cache sees the same ones each
                 # step.  While tracing a graph, names must stay unique within the process.
                 self._serial = 0
