@@ -265,7 +265,8 @@ def test_unsupported_ops_and_too_few_bits_raise(ranks):
 
 def test_distributed_optimizer_reduces_like_uncompressed(ranks):
     expected_configs = {
-        "torch": {"average", "sum", "predivide", "groups", "bpps2", "bucketed"},
+        "torch": {"average", "sum", "predivide", "groups", "bpps2", "bucketed",
+                  "sum-bucketed", "groups-bucketed", "bpps2-bucketed"},
         "tensorflow": {f"{c}-{m}" for c in ("average", "sum", "predivide", "groups")
                        for m in ("eager", "function")},
     }[ranks[0]["framework"]]

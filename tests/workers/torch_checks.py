@@ -183,12 +183,15 @@ def optimizer_grads(rank: int, n: int) -> dict:
         "predivide": {"gradient_predivide_factor": 2.0},
         "groups": {"groups": 2},
         "bpps2": {"backward_passes_per_step": 2},
-        "bucketed": {},  # several buckets per round: flushes from the autograd hooks
+        "bucketed": {},  # several buckets per round: sealed from the autograd hooks
+        "sum-bucketed": {"op": hvd.Sum},
+        "groups-bucketed": {"groups": 2},
+        "bpps2-bucketed": {"backward_passes_per_step": 2},
     }
     out = {}
     for name, kwargs in configs.items():
         model = _model()
-        comp = GlobalQSGD(bits=8, bucket_bytes=60 if name == "bucketed" else 0)
+        comp = GlobalQSGD(bits=8, bucket_bytes=60 if name.endswith("bucketed") else 0)
         opt = hvd.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
             compression=comp, **kwargs)
