@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]  # this checkout's hvd_gqsgd, as the jobs
 from emulated_hosts import EmulatedHosts  # noqa: E402
 
 BIN = Path(sys.executable).parent
