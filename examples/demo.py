@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -154,13 +155,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--link", choices=("auto", "emulated", "predicted"), default="auto")
     parser.add_argument("--np", type=int, default=2, help="ranks of the digits run")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps on emulated hosts")
+    parser.add_argument("--steps", type=int, default=3,
+                        help="timed steps on emulated hosts (after one warm-up step)")
     args, extra = parser.parse_known_args()
     sys.path.insert(0, str(ROOT / "examples"))
     import torch_digits  # imports horovod.torch; initialised only in the horovodrun job
 
+    started, load = time.perf_counter(), os.getloadavg()[0]  # before any rank of ours runs
     with tempfile.TemporaryDirectory(prefix="gq-demo-") as tmp:
         result = train_digits(args.np, Path(tmp) / "digits.json", extra)
+    digits_s = time.perf_counter() - started
     runs = result["runs"]
     names = list(dict.fromkeys(n for n in (worker_name(r["spec"]) for r in runs) if n))
     steps, predicted = None, args.link == "predicted"
@@ -180,6 +184,13 @@ def main() -> None:
     settings = argparse.Namespace(**result["settings"])
     torch_digits.report(runs, settings, result["world_size"],
                         link_columns(runs, steps, predicted), footer(runs, steps, predicted))
+    total_s = time.perf_counter() - started
+    if load > (os.cpu_count() or 1) / 2:
+        print(f"Other work was running (load average {load:.1f} on {os.cpu_count()} CPUs "
+              "when the demo started): step times are slower than on an idle machine, the "
+              "CPU-heavy GlobalQSGD rows most.")
+    print(f"Took {total_s:.0f} s: the digits job {digits_s:.0f} s, the "
+          f"{'cost measurements' if predicted else 'emulated hosts'} {total_s - digits_s:.0f} s.")
 
 
 if __name__ == "__main__":
