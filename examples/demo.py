@@ -151,6 +151,22 @@ def footer(runs: list[dict], steps: dict[str, dict[str, float]], predicted: bool
     return lines
 
 
+def link_steps(link: str, names: list[str], np_: int, steps: int
+               ) -> tuple[dict[str, dict[str, float]], bool]:
+    """Step 2: (rate -> worker name -> step time, whether predicted).  ``auto`` measures on
+    emulated hosts where they can be made and says why it predicts where not."""
+    if link in ("auto", "emulated"):
+        try:
+            return {"1gbit": measure_emulated(names, steps)}, False
+        except (PermissionError, subprocess.CalledProcessError) as exc:
+            if link == "emulated":
+                raise
+            why = exc.stderr.strip() if isinstance(exc, subprocess.CalledProcessError) else exc
+            print(f"\nNo emulated hosts here ({why}); predicting step times instead.",
+                  flush=True)
+    return predict_steps(measure_costs(names, np_), names), True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--link", choices=("auto", "emulated", "predicted"), default="auto")
@@ -167,20 +183,7 @@ def main() -> None:
     digits_s = time.perf_counter() - started
     runs = result["runs"]
     names = list(dict.fromkeys(n for n in (worker_name(r["spec"]) for r in runs) if n))
-    steps, predicted = None, args.link == "predicted"
-    if args.link in ("auto", "emulated"):
-        try:
-            steps = {"1gbit": measure_emulated(names, args.steps)}
-        except (PermissionError, subprocess.CalledProcessError) as exc:
-            if args.link == "emulated":
-                raise
-            why = exc.stderr.strip() if isinstance(exc, subprocess.CalledProcessError) else exc
-            print(f"\nNo emulated hosts here ({why}); predicting step times instead.",
-                  flush=True)
-            predicted = True
-    if predicted:
-        steps = predict_steps(measure_costs(names, args.np), names)
-    assert steps is not None
+    steps, predicted = link_steps(args.link, names, args.np, args.steps)
     settings = argparse.Namespace(**result["settings"])
     torch_digits.report(runs, settings, result["world_size"],
                         link_columns(runs, steps, predicted), footer(runs, steps, predicted))

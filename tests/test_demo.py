@@ -51,6 +51,19 @@ def test_columns_and_footer_say_predicted_and_compare_with_fp32():
     assert "measured on 2 emulated hosts" in measured and "predicted" not in measured.lower()
 
 
+def test_auto_without_root_says_why_and_predicts(monkeypatch, capsys):
+    """As a user without root: the real EmulatedHosts refuses, the demo says so and
+    predicts (the costs job is replaced by COSTS here; the end-to-end test runs it)."""
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(demo, "measure_costs", lambda names, np_: COSTS)
+    steps, predicted = demo.link_steps("auto", ["none", "gqsgd8"], 2, 3)
+    assert predicted and set(steps) == {"1gbit", "10gbit"}
+    assert steps == demo.predict_steps(COSTS, ["none", "gqsgd8"])
+    assert "No emulated hosts here (emulated hosts need root" in capsys.readouterr().out
+    with pytest.raises(PermissionError, match="need root"):
+        demo.link_steps("emulated", ["none"], 2, 3)  # asked for a measurement: no prediction
+
+
 @pytest.mark.multiproc
 def test_demo_without_emulated_hosts_prints_predicted_step_times():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
