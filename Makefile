@@ -33,9 +33,11 @@ demo: setup
 
 
 # Bandwidth benchmarks on emulated hosts (root): docs/BENCHMARKS.md and its plot (Horovod,
-# torch and TF), then docs/DDP.md (the DDP hook against DDP's own hooks).
+# torch and TF), its deep-model section, then docs/DDP.md (the DDP hook against DDP's own
+# hooks).
 bench: setup
 	$(PY) benchmarks/netbench.py 2>&1 | $(TF_NOISE)
+	$(PY) benchmarks/deep_bench.py 2>&1 | $(TF_NOISE)
 	$(PY) benchmarks/ddp_bench.py 2>&1 | $(TF_NOISE)
 
 # Convergence sweep (digits in PyTorch and TF, char-level LM; 2 and 4 ranks; 3 seeds):

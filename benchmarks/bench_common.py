@@ -15,18 +15,21 @@ from typing import Any
 
 from hvd_gqsgd import GlobalQSGD, QSGDAllgather
 
-GQSGD_NAME = re.compile(r"gqsgd(\d+)(ts|flat)?(?:@(\d+)k)?")
+GQSGD_NAME = re.compile(r"gqsgd(\d+)(ts|flat)?(?:@(\d+)k)?(?:b(\d+)k)?")
 TWO_STAGE = {"ts": True, "flat": False, None: None}
 
 
 def compressor(name: str, hvd: Any, process_set: Any = None) -> Any:
-    """``none``, ``fp16``, ``qsgd<bits>`` or ``gqsgd<bits>[ts|flat][@<chunk KiB>k]`` (``ts``:
-    ``two_stage=True``, ``flat``: ``False``, neither: the default, chosen by world size)."""
+    """``none``, ``fp16``, ``qsgd<bits>`` or ``gqsgd<bits>[ts|flat][@<chunk KiB>k][b<bucket
+    KiB>k]`` (``ts``: ``two_stage=True``, ``flat``: ``False``, neither: the default, chosen by
+    world size; ``b0k``: ``bucket_bytes=0``, one bucket per step; no ``b``: the default)."""
     m = GQSGD_NAME.fullmatch(name)
     if m:
-        chunk = {} if m.group(3) is None else {"chunk_bytes": int(m.group(3)) * 1024}
+        extra = {} if m.group(3) is None else {"chunk_bytes": int(m.group(3)) * 1024}
+        if m.group(4) is not None:
+            extra["bucket_bytes"] = int(m.group(4)) * 1024
         return GlobalQSGD(bits=int(m.group(1)), process_set=process_set,
-                          two_stage=TWO_STAGE[m.group(2)], **chunk)
+                          two_stage=TWO_STAGE[m.group(2)], **extra)
     if name.startswith("qsgd"):  # the per-rank-scale baseline over an allgather
         return QSGDAllgather(bits=int(name[4:]))
     return {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[name]

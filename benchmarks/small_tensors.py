@@ -3,19 +3,21 @@ layers) with DistributedOptimizer, GlobalQSGD(bits=8) vs uncompressed, on unthro
 
     horovodrun --gloo -np 2 -H localhost:2 python benchmarks/small_tensors.py
 
-Prints the median step time of each and their ratio (goal: <= 1.5x).
+Prints the median step time of each and their ratio (goal: <= 1.5x), then one JSON line
+per compressor (``--compressors``: names as in benchmarks/bench_common.py, e.g.
+``gqsgd8b0k`` for ``bucket_bytes=0``; benchmarks/deep_bench.py reads them).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
 import horovod.torch as hvd
 import torch
-
-from hvd_gqsgd import GlobalQSGD
+from bench_common import compressor
 
 
 def step_times(compression, steps: int, warmup: int) -> list[float]:
@@ -41,18 +43,25 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--compressors", default="none,gqsgd8")
     args = parser.parse_args()
     hvd.init()
     torch.set_num_threads(1)
-    results = {}
+    names = args.compressors.split(",")
+    results: dict[str, list[float]] = {}
     for _ in range(2):  # interleave to even out machine noise
-        for name, comp in (("none", hvd.Compression.none), ("gqsgd8", GlobalQSGD(bits=8))):
-            results.setdefault(name, []).extend(step_times(comp, args.steps, args.warmup))
+        for name in names:
+            results.setdefault(name, []).extend(
+                step_times(compressor(name, hvd), args.steps, args.warmup))
     if hvd.rank() == 0:
         med = {k: statistics.median(v) for k, v in results.items()}
-        print(f"300 tensors, {hvd.size()} ranks: none {1e3 * med['none']:.2f} ms/step, "
-              f"GlobalQSGD(8) {1e3 * med['gqsgd8']:.2f} ms/step, "
-              f"ratio {med['gqsgd8'] / med['none']:.2f}x (goal <= 1.5x)")
+        for name in names[1:]:
+            print(f"300 tensors, {hvd.size()} ranks: none {1e3 * med['none']:.2f} ms/step, "
+                  f"{name} {1e3 * med[name]:.2f} ms/step, "
+                  f"ratio {med[name] / med['none']:.2f}x (goal <= 1.5x)")
+        for name in names:
+            print(json.dumps({"what": f"small_{name}", "median_s": med[name],
+                              "ranks": hvd.size()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -117,9 +117,17 @@ class GlobalQSGD:
             global RNG is never read or advanced.
         process_set: Horovod process set for the compressor's own collectives; must be the
             same set the optimizer or ``hvd.allreduce`` reduces over (default: global).
-        bucket_bytes: if > 0, quantize and send queued tensors as soon as this many input
-            bytes are queued (costs one blocking scale exchange per bucket), instead of
-            when the first result is needed.
+        bucket_bytes: input bytes per bucket.  A bucket is sealed in ``compress`` once this
+            many bytes are queued: its scale exchange starts at once, and later ``compress``
+            calls quantize and send it as soon as that exchange has finished, without
+            waiting.  Under ``hvd.DistributedOptimizer``, which calls ``compress`` from each
+            gradient's backward hook, a deep model's codes then go on the wire while
+            backward still runs.  ``None`` (default) lets the adapter choose: PyTorch 8 MiB
+            (``core.AUTO_BUCKET_BYTES``; 0 with ``hierarchical``, whose collectives block);
+            TensorFlow 0, since its tapes hand over every gradient at once.  0: one bucket
+            per round, sealed by the first ``decompress``: one scale exchange and one codes
+            allreduce per step, fewest collectives, which measured as fast or faster where
+            backward is short next to the wire (docs/BENCHMARKS.md).
         chunk_bytes: packed bytes per Sum allreduce: a larger bucket is quantized and sent
             chunk by chunk, so Horovod's background thread puts chunk k on the wire while
             chunk k+1 is being quantized.  ``None`` (default) lets the adapter choose:
@@ -183,7 +191,7 @@ class GlobalQSGD:
     _instances = itertools.count()
 
     def __init__(self, bits: int = 8, norm: str = "max", seed: int | None = None,
-                 process_set: Any = None, bucket_bytes: int = 0,
+                 process_set: Any = None, bucket_bytes: int | None = None,
                  chunk_bytes: int | None = core.DEFAULT_CHUNK_BYTES,
                  scale_block: int = core.DEFAULT_SCALE_BLOCK, hierarchical: bool = False,
                  two_stage: bool | None = None) -> None:

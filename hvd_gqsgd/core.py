@@ -85,6 +85,7 @@ __all__ = [
     "MAX_LANE_BITS",
     "MAX_CODE",
     "AUTO_MIN_LEVELS",
+    "AUTO_BUCKET_BYTES",
     "flat_levels",
     "use_two_stage",
     "two_stage_bits",
@@ -107,6 +108,10 @@ NORMS = ("max", "l2")
 # AUTO_CHUNK_BYTES), one allreduce per bucket elsewhere (docs/BENCHMARKS.md, the @...k rows)
 DEFAULT_CHUNK_BYTES = None
 AUTO_CHUNK_BYTES = 1 << 21
+# Input bytes per bucket when Settings.bucket_bytes is None and the adapter seals buckets
+# from compress (PyTorch: Backend.auto_bucket_bytes): a deep model's gradients go on the wire
+# in buckets of this size while backward still runs (docs/BENCHMARKS.md, the deep model)
+AUTO_BUCKET_BYTES = 8 << 20
 # Elements per global scale (Settings.scale_block); see docs/CONVERGENCE.md and LOW_BITS.md
 DEFAULT_SCALE_BLOCK = 1024
 
@@ -278,8 +283,9 @@ class Settings:
         norm: ``"max"`` (global scale = max over ranks of max |x|) or ``"l2"`` (max over ranks
             of the local L2 norm).
         seed: ``None`` for OS-seeded rounding noise, or an int >= 0 for reproducible noise.
-        bucket_bytes: flush the pending tensors early once this many input bytes are queued
-            (0 = flush only when the first result is needed).
+        bucket_bytes: seal a bucket from ``compress`` once this many input bytes are queued,
+            and start its scale exchange (0 = one bucket, sealed when the first result is
+            needed; None = the adapter's choice, see ``AUTO_BUCKET_BYTES``).
         scale_block: give every ``scale_block`` elements of a tensor their own global scale
             (0 = one scale per tensor).
         chunk_bytes: send a bucket's packed codes as Sum allreduces of about this many bytes
@@ -297,7 +303,7 @@ class Settings:
     bits: int = 8
     norm: str = "max"
     seed: int | None = None
-    bucket_bytes: int = 0
+    bucket_bytes: int | None = None
     chunk_bytes: int | None = DEFAULT_CHUNK_BYTES
     scale_block: int = DEFAULT_SCALE_BLOCK
     hierarchical: bool = False
@@ -317,10 +323,12 @@ class Settings:
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0
         ):
             raise ValueError(f"seed must be None or an int >= 0, got {self.seed!r}")
-        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or (
-            self.bucket_bytes < 0
+        if self.bucket_bytes is not None and (
+            isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int)
+            or self.bucket_bytes < 0
         ):
-            raise ValueError(f"bucket_bytes must be an int >= 0, got {self.bucket_bytes!r}")
+            raise ValueError(f"bucket_bytes must be None (automatic) or an int >= 0, got "
+                             f"{self.bucket_bytes!r}")
         if self.chunk_bytes is not None and (
             isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int)
             or self.chunk_bytes < 0

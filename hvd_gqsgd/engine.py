@@ -7,25 +7,35 @@ order, and :mod:`hvd_gqsgd.core` supplies every formula.
 Life of a round (all ranks must make the same calls in the same order)::
 
     compress(t1) .. compress(tk)        queue; return a 2-element probe per tensor
-    [bucket full -> flush]              optional early flush (Settings.bucket_bytes)
-    decompress(probe1, ctx1)            first result needed -> flush what is queued:
-                                          1. COLLECTIVE  MAX allreduce of local norms (one
-                                             per scale block) + layout
-                                          2. quantize + pack the queued tensors (or, with
-                                             Settings.chunk_bytes, one chunk of them)
-                                          3. COLLECTIVE  async Sum allreduce of the words;
-                                             with chunks, 2-3 repeat per chunk: Horovod's
-                                             background thread sends chunk k while chunk
-                                             k+1 is packed
-                                        then wait, unpack once per bucket, rescale tensor 1
+      [bucket full -> seal]             Settings.bucket_bytes reached (PyTorch: 8 MiB by
+                                        default):
+                                          1. COLLECTIVE  async MAX allreduce of local norms
+                                             (one per scale block) + layout
+      [every compress: advance]         for each sealed bucket whose exchange is back
+                                        (Backend.poll), without waiting:
+                                          2. quantize + pack it (or, with
+                                             Settings.chunk_bytes, chunk by chunk)
+                                          3. COLLECTIVE  async Sum allreduce of the words
+                                             (two-stage: reduce-scatter; once that is back,
+                                             requantize and allgather)
+    decompress(probe1, ctx1)            seal what is still queued; for the buckets up to
+                                        ctx1's, in sealing order, wait for each collective
+                                        and run 2-3; wait for ctx1's codes, unpack once per
+                                        bucket, rescale tensor 1
     decompress(probe_k, ctx_k)          rescale from the already-unpacked bucket
     (all results taken -> the round ends; in eager mode collective names restart, so
      Horovod's response cache sees the same names every step)
 
-With ``Settings.hierarchical`` the flush first reads the node layout (one small MAX
+Horovod's ``DistributedOptimizer`` calls ``compress`` from each gradient's backward hook, so
+a deep model's buckets are exchanged, quantized and sent while backward still produces the
+gradients of earlier layers.  Horovod matches collectives by name, so launching them from
+hooks is safe as long as every rank seals the same tensors into the same buckets; a rank
+waits only for collectives that every rank issues before it waits for a later bucket's.
+
+With ``Settings.hierarchical`` the seal first reads the node layout (one small MAX
 allreduce) and, when there are several nodes of equal size, hands steps 1-3 and the unpack to
-:func:`hvd_gqsgd.hierarchical.reduce`: full-precision sums inside each node, codes summed
-across nodes only, so ``L`` is set by the node count.  ``decompress`` is unchanged.
+:func:`hvd_gqsgd.hierarchical.reduce`, blocking, at the seal: full-precision sums inside each
+node, codes summed across nodes only, so ``L`` is set by the node count.
 """
 
 from __future__ import annotations
@@ -59,6 +69,13 @@ class Backend(core.TensorOps, Protocol):
     def local_norms(self, tensors: Sequence[Any], flat: Any, counts: Sequence[int], norm: str,
                     extra: Sequence[float]) -> Any: ...
     def allreduce_max(self, vec: Any, name: str, process_set: Any) -> Any: ...  # COLLECTIVE
+    # COLLECTIVE: the same MAX allreduce, started; wait() gives its result, poll() says
+    # whether wait() would return at once (a graph backend may run it synchronously)
+    def allreduce_max_async(self, vec: Any, name: str, process_set: Any) -> Any: ...
+    def poll(self, handle: Any) -> bool: ...
+    # Settings.bucket_bytes None: input bytes per bucket sealed from compress (0: one bucket,
+    # sealed by the first decompress)
+    def auto_bucket_bytes(self) -> int: ...
     def check_layout(self, reduced: Any) -> Any: ...
     def flat_concat(self, tensors: Sequence[Any]) -> Any: ...
     # quantize + pack a bucket (mult: L/s per segment); core.encode or a fused kernel
@@ -91,6 +108,8 @@ class Backend(core.TensorOps, Protocol):
     # messages' layout, times the op's factor
     def decode_parts(self, state: Any, offset: int, like: Any, p0: int, p1: int,
                      factor: float) -> Any: ...
+    # two-stage: decoder state of the allgathered messages (steps1: stage-1 steps s / L1)
+    def messages(self, gathered: Any, layout: core.MessageLayout, steps1: Any) -> Any: ...
 
 
 FIGURES = ("uncompressed", "payload", "overhead", "quantize_s", "scale_wait_s", "codes_wait_s")
@@ -178,6 +197,17 @@ class Bucket:
     # gathered messages' layout, whose parts (not segments) carry the decode's steps
     plan: core.TwoStagePlan | None = None
     layout: core.MessageLayout | None = None
+    # progress (Engine._step): _SCALING while the MAX allreduce is in flight (flat and pset
+    # kept for the codes), _SCATTERING while two-stage's reduce-scatter is, then _SENT: the
+    # last collective is launched (or, hierarchical, done) and handles hold what to wait for
+    stage: int = 0
+    two: bool = False
+    flat: Any = None
+    pset: Any = None
+    scale_handle: Any = None
+
+
+_SCALING, _SCATTERING, _SENT = range(3)
 
 
 @dataclass
@@ -187,6 +217,7 @@ class _Round:
     rank: int | None = None  # this rank in the process set, read at the round's first compress
     queued: list[Entry] = field(default_factory=list)
     queued_bytes: int = 0
+    pending: list[Bucket] = field(default_factory=list)  # sealed, not yet _SENT, in order
     outstanding: int = 0  # entries compressed but not yet decompressed
     tensors: int = 0
     figures: dict[str, float] = field(default_factory=lambda: dict.fromkeys(FIGURES, 0))
@@ -219,7 +250,9 @@ class Engine:
 
     def compress(self, tensor: Any) -> tuple[Any, Entry | None]:
         """Queue ``tensor``; return Horovod's probe and the ctx.  Non-float and empty tensors
-        are returned untouched with ``ctx=None`` so Horovod reduces them as usual."""
+        are returned untouched with ``ctx=None`` so Horovod reduces them as usual.  A full
+        bucket is sealed here (its scale exchange starts), and buckets sealed earlier move on
+        as far as their collectives allow, without waiting."""
         b = self.backend
         if not b.is_compressible(tensor):
             return tensor, None
@@ -236,42 +269,32 @@ class Engine:
             r.tensors += 1
             r.figures["uncompressed"] += entry.nbytes
             r.figures["overhead"] += core.PROBE_BYTES
-            if self.settings.bucket_bytes and r.queued_bytes >= self.settings.bucket_bytes:
-                try:
-                    self._flush()
-                except BaseException:
-                    self._round = _Round()  # as in decompress: all ranks fail here together
-                    raise
+            try:
+                if self._full(r):
+                    self._seal()
+                if r.pending:
+                    self._advance()
+            except BaseException:
+                self._round = _Round()  # as in decompress: all ranks fail here together
+                raise
         return b.probe(core.probe_values(rank), tensor), entry
 
     def decompress(self, reduced_probe: Any, ctx: Entry | None) -> Any:
-        """Return the reduced gradient for ``ctx``; flushes the queue if it is still waiting."""
+        """Return the reduced gradient for ``ctx``; seals what is still queued and waits for
+        ``ctx``'s bucket (and the buckets sealed before it)."""
         if ctx is None:
             return reduced_probe
-        b = self.backend
         with self._lock:
             try:
                 if ctx.bucket is None:
-                    self._flush()
+                    self._seal()
                 bucket = ctx.bucket
                 assert bucket is not None
-                r = self._round
-                if bucket.decoded is None and bucket.plan is not None:
-                    assert bucket.layout is not None
-                    bucket.decoded = two_stage.gather(b, bucket, bucket.plan, bucket.layout,
-                                                      bucket.name, self._world()[2], r)
-                    bucket.plan = None
+                if bucket.stage != _SENT:
+                    self._advance(until=bucket)
                 if bucket.decoded is None:
-                    with r.timing("codes_wait_s"):
-                        chunks = [b.wait(h) for h in bucket.handles]
-                    with r.timing("quantize_s"):
-                        if len(chunks) == 1:
-                            words = chunks[0]
-                        else:  # see Backend.decoder
-                            words = chunks if b.rescales_buckets else b.concat_words(chunks)
-                        bucket.decoded = b.decoder(words, self.settings.bits, bucket.total)
-                    bucket.handles = []
-                with r.timing("quantize_s"):
+                    self._decode(bucket)
+                with self._round.timing("quantize_s"):
                     out = self._rescale(bucket, ctx, reduced_probe)
             except BaseException:
                 # Every rank fails at the same point (same sizes, same probe), so start the
@@ -303,8 +326,38 @@ class Engine:
         steps = bucket.steps[ctx.index:ctx.stop] if block else bucket.steps[ctx.index]
         return b.decode(bucket.decoded, ctx.offset, ctx.tensor, steps * factor, block)
 
-    def _flush(self) -> None:
-        """COLLECTIVE: scale exchange and launch of the Sum allreduce for all queued tensors."""
+    def _full(self, r: _Round) -> bool:
+        """Whether the queue is a bucket to seal now: ``bucket_bytes`` reached.  Decided from
+        this round's tensors alone, which every rank has in common (a rank that elastic adds
+        mid-run has no history: one learned from earlier rounds would bucket differently)."""
+        limit = self.settings.bucket_bytes
+        if limit is None:
+            limit = 0 if self.settings.hierarchical else self.backend.auto_bucket_bytes()
+        return bool(limit) and r.queued_bytes >= limit
+
+    def _decode(self, bucket: Bucket) -> None:
+        """Wait for a _SENT bucket's last collective and decode it, once per bucket."""
+        b, r = self.backend, self._round
+        if bucket.layout is not None:  # two-stage: the allgathered messages
+            with r.timing("codes_wait_s"):
+                gathered = b.wait(bucket.handles[0])
+            with r.timing("quantize_s"):
+                bucket.decoded = b.messages(gathered, bucket.layout, bucket.steps)
+        else:
+            with r.timing("codes_wait_s"):
+                chunks = [b.wait(h) for h in bucket.handles]
+            with r.timing("quantize_s"):
+                if len(chunks) == 1:
+                    words = chunks[0]
+                else:  # see Backend.decoder
+                    words = chunks if b.rescales_buckets else b.concat_words(chunks)
+                bucket.decoded = b.decoder(words, self.settings.bits, bucket.total)
+        bucket.handles = []
+
+    def _seal(self) -> None:
+        """COLLECTIVE: make a bucket of all queued tensors and start its scale exchange
+        (hierarchical: reduce it whole).  Every rank seals the same tensors in the same order
+        (the names below match across ranks; the layout check catches a mismatch)."""
         r = self._round
         if not r.queued:
             return
@@ -312,13 +365,13 @@ class Engine:
         name = f"{self._prefix}.b{self._serial}"
         self._serial += 1
         tree = self._tree(rank, size, pset, name)  # None: not hierarchical
-        # re-read every flush: elastic resizes.  Hierarchical: lanes sum one code per node
+        # re-read every bucket: elastic resizes.  Hierarchical: lanes sum one code per node
         summing = tree.cross_size if tree else size
         two = two_stage.chosen(self.settings, summing, "nodes" if tree else "ranks")
         n_levels = 0 if two else core.levels(self.settings.bits, summing)
         entries, r.queued, r.queued_bytes = r.queued, [], 0
         bucket = Bucket(entries=entries, rank=rank, world_size=size, n_levels=n_levels,
-                        remaining=len(entries), name=name)
+                        remaining=len(entries), name=name, two=two, pset=pset)
         bucket.counts, first = core.segments([e.numel for e in entries],
                                              self.settings.scale_block)
         offset = 0
@@ -331,23 +384,70 @@ class Engine:
         if tree is not None:
             hierarchical.reduce(self.backend, self.settings, tree, bucket, flat, name, pset, r,
                                 two)
+            bucket.stage = _SENT
             return
-        scales = self._exchange_scales(bucket, flat, f"{name}.scale", pset)
-        if two:
-            bucket.plan, bucket.layout = two_stage.plan_of(
-                (tuple(e.numel for e in entries), self.settings.scale_block), bucket.counts,
-                size, self.settings.bits)
-            two_stage.scatter(self.backend, bucket, flat, scales, bucket.plan, name, pset, r)
-            r.figures["overhead"] += core.scale_exchange_bytes(len(bucket.counts))
-            return
-        with r.timing("quantize_s"):
-            self._send_codes(bucket, flat, scales, f"{name}.codes", pset)
-        r.figures["payload"] += core.wire_bytes(offset, self.settings.bits)
-        r.figures["overhead"] += core.scale_exchange_bytes(len(bucket.counts))
+        bucket.flat = flat
+        bucket.scale_handle = self._start_scales(bucket, flat, f"{name}.scale", pset)
+        bucket.stage = _SCALING
+        r.pending.append(bucket)
 
-    def _exchange_scales(self, bucket: Bucket, flat: Any, name: str, pset: Any) -> Any:
-        """COLLECTIVE: one MAX allreduce of every segment's local norm plus the layout pair
-        ``(h, -h)``; ranks that queued different layouts get ``max(h) != -max(-h)``."""
+    def _advance(self, until: Bucket | None = None) -> None:
+        """Move sealed buckets on.  Without ``until``: each as far as collectives that have
+        finished allow, never waiting.  With it: the buckets sealed up to ``until``, in
+        order, waiting for each collective, until ``until`` is _SENT.  (No deadlock: a rank
+        waits only for collectives that every rank issues before it waits for any later
+        bucket's.)"""
+        pending = self._round.pending
+        if until is not None:
+            while until.stage != _SENT:
+                self._step(pending[0], block=True)
+                if pending[0].stage == _SENT:
+                    pending.pop(0)
+            return
+        for bucket in list(pending):
+            while bucket.stage != _SENT and self._step(bucket, block=False):
+                pass
+        pending[:] = [bk for bk in pending if bk.stage != _SENT]
+
+    def _step(self, bucket: Bucket, block: bool) -> bool:
+        """One stage of ``bucket`` (COLLECTIVE: launches its next collective); False when
+        that needs a collective still in flight and ``block`` is False."""
+        b, r = self.backend, self._round
+        if bucket.stage == _SCALING:
+            if not block and not b.poll(bucket.scale_handle):
+                return False
+            with r.timing("scale_wait_s"):
+                scales = b.check_layout(b.wait(bucket.scale_handle))
+            flat, bucket.flat, bucket.scale_handle = bucket.flat, None, None
+            r.figures["overhead"] += core.scale_exchange_bytes(len(bucket.counts))
+            if bucket.two:
+                bucket.plan, bucket.layout = two_stage.plan_of(
+                    (tuple(e.numel for e in bucket.entries), self.settings.scale_block),
+                    bucket.counts, bucket.world_size, self.settings.bits)
+                two_stage.scatter(b, bucket, flat, scales, bucket.plan, bucket.name,
+                                  bucket.pset, r)
+                bucket.stage = _SCATTERING
+            else:
+                with r.timing("quantize_s"):
+                    self._send_codes(bucket, flat, scales, f"{bucket.name}.codes", bucket.pset)
+                r.figures["payload"] += core.wire_bytes(bucket.total, self.settings.bits)
+                bucket.stage = _SENT
+            return True
+        if bucket.stage == _SCATTERING:
+            if not block and not b.poll(bucket.handles[0]):
+                return False
+            assert bucket.plan is not None
+            bucket.handles = [two_stage.gather(b, bucket, bucket.plan, bucket.name,
+                                               bucket.pset, r)]
+            bucket.plan = None
+            bucket.stage = _SENT
+            return True
+        return True
+
+    def _start_scales(self, bucket: Bucket, flat: Any, name: str, pset: Any) -> Any:
+        """COLLECTIVE: start one MAX allreduce of every segment's local norm plus the layout
+        pair ``(h, -h)``; ranks that queued different layouts get ``max(h) != -max(-h)``
+        (``Backend.check_layout``, when it is waited for)."""
         b = self.backend
         tensors = [e.tensor for e in bucket.entries]
         layout = core.layout_fingerprint([e.numel for e in bucket.entries],
@@ -355,8 +455,7 @@ class Engine:
         with self._round.timing("quantize_s"):
             norms = b.local_norms(tensors, flat, bucket.counts, self.settings.norm,
                                   [layout, -layout])
-        with self._round.timing("scale_wait_s"):
-            return b.check_layout(b.allreduce_max(norms, name, pset))
+        return b.allreduce_max_async(norms, name, pset)
 
     def _send_codes(self, bucket: Bucket, flat: Any, scales: Any, name: str, pset: Any) -> None:
         """Quantize and pack the bucket chunk by chunk; COLLECTIVE: launch each chunk's Sum

@@ -26,6 +26,7 @@ serially and numba never starts its thread pool.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -659,7 +660,7 @@ def host_array(shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
     memory, not the framework's: NumPy asks for transparent huge pages on large buffers
     (torch.empty cost 30 ms more per 64 MB here, with THP in "madvise" mode)."""
     dtype = np.dtype(dtype)
-    size = int(np.prod(shape))
+    size = math.prod(shape) if isinstance(shape, tuple) else int(shape)  # np.prod: 5 us
     nbytes = size * dtype.itemsize
     raw = _recycled(nbytes) if nbytes >= _POOL_MIN else np.empty(nbytes + ALIGN, np.uint8)
     skip = -raw.ctypes.data % ALIGN
@@ -751,7 +752,7 @@ class Summed:
         bucket; ``block == 0``: ``scales`` is the tensor's one scale."""
         if not out.size:
             return
-        scales = np.atleast_1d(np.asarray(scales)).astype(out.dtype)
+        scales = np.asarray(scales, dtype=out.dtype).reshape(-1)  # no copy when it is one
         block = block if block else out.size
         if self.lanes is not None:
             _run(_scale_lanes, out.size, self.lanes, start, out, scales, block)

@@ -329,6 +329,17 @@ class TensorFlowBackend:
         return hvd.allreduce(vec, op=hvd.Max, name=name, process_set=process_set,
                              ignore_name_scope=True)
 
+    def allreduce_max_async(self, vec: Any, name: str, process_set: Any) -> Any:
+        return self.allreduce_max(vec, name, process_set)  # its output is the handle
+
+    def poll(self, handle: Any) -> bool:
+        return True  # wait() is the identity: nothing to wait for on the Python side
+
+    def auto_bucket_bytes(self) -> int:
+        # DistributedGradientTape and Keras hand over all gradients after backward has ended
+        # (one grouped call), so there is no backward left to overlap: one bucket per round
+        return 0
+
     def allreduce_sum_async(self, words: Any, name: str, process_set: Any) -> Any:
         summed = hvd.allreduce(words, op=hvd.Sum, name=name, process_set=process_set,
                                ignore_name_scope=True)

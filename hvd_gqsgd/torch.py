@@ -15,6 +15,7 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
+from . import core
 from .compressor import GlobalQSGD
 from .qprsgd import QPRSGD
 from .torch_ops import TorchLocal
@@ -32,6 +33,17 @@ class TorchBackend(TorchLocal):
 
     def allreduce_max(self, vec: Any, name: str, process_set: Any) -> Any:
         return hvd.allreduce(vec, op=hvd.Max, name=name, process_set=process_set)
+
+    def allreduce_max_async(self, vec: Any, name: str, process_set: Any) -> Any:
+        return hvd.allreduce_async(vec, op=hvd.Max, name=name, process_set=process_set)
+
+    def poll(self, handle: Any) -> bool:
+        return bool(hvd.poll(handle))
+
+    def auto_bucket_bytes(self) -> int:
+        # Sealed from compress, which DistributedOptimizer calls from each gradient's backward
+        # hook: a deep model's codes go on the wire while backward still runs
+        return core.AUTO_BUCKET_BYTES
 
     def allreduce_sum_async(self, words: Any, name: str, process_set: Any) -> Any:
         # in place: the words are ours, and a second buffer would cost another allocation

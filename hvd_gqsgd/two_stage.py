@@ -44,8 +44,10 @@ for flat: 8.6 at 2 ranks and 8 bits, 9.3 at 4, 10.4 at 8-16, 12 at 32-256.
 
 Hazards:
 
-* Collective order: every rank issues the reduce-scatter and the allgather of a bucket in
-  the same order as the other buckets' collectives (the engine's names make them match).
+* Collective order: ranks may launch different buckets' reduce-scatters and allgathers in
+  different orders (the engine moves each bucket on as soon as its last collective is back,
+  :meth:`hvd_gqsgd.engine.Engine._advance`); Horovod matches them by the engine's names,
+  which are the same on every rank.
 * Empty shards: a bucket of fewer words than ranks leaves the last ranks nothing to sum;
   they still send (all-zero) messages, so a tiny bucket costs ``n`` words at least.
 * Chunks (``chunk_bytes > 0``) are a flat-path feature; ``two_stage=True`` refuses them.
@@ -180,19 +182,16 @@ def requantize(backend: Any, words: Any, plan: core.TwoStagePlan, index: int,
     return b.message(codes, part_max, plan.code_words, plan.part_slots)
 
 
-def gather(backend: Any, bucket: Any, plan: core.TwoStagePlan, layout: core.MessageLayout,
-           name: str, pset: Any, round_: Any) -> Any:
-    """Steps 4-5, COLLECTIVE: wait for the reduce-scatter, requantize this rank's shard,
-    allgather every rank's message and return the backend's decoder state
-    (``Backend.messages``)."""
+def gather(backend: Any, bucket: Any, plan: core.TwoStagePlan, name: str, pset: Any,
+           round_: Any) -> Any:
+    """Step 4 and the start of step 5, COLLECTIVE: wait for the reduce-scatter, requantize
+    this rank's shard and launch the allgather of every rank's message; returns its handle.
+    The engine waits for it and decodes with ``Backend.messages`` and the bucket's
+    :class:`~hvd_gqsgd.core.MessageLayout`."""
     b = backend
     with round_.timing("codes_wait_s"):
         words = b.wait(bucket.handles[0])
     bucket.handles = []
     with round_.timing("quantize_s"):
         message = requantize(b, words, plan, bucket.rank, bucket.rank)
-    handle = b.allgather_async(message, f"{name}.ag", pset)
-    with round_.timing("codes_wait_s"):
-        gathered = b.wait(handle)
-    with round_.timing("quantize_s"):
-        return b.messages(gathered, layout, bucket.steps)
+    return b.allgather_async(message, f"{name}.ag", pset)

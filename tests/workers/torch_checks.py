@@ -11,6 +11,7 @@ import functools
 import os
 import pickle
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -255,9 +256,75 @@ def blocked(rank: int, n: int) -> dict:
     return {"exact": exact, "stats": comp.stats.as_dict()}
 
 
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: gives the MAX allreduce of the layers after it time to
+    finish while backward still runs, as a deep model's compute does."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        time.sleep(0.2)
+        return grad
+
+
+def overlap(rank: int, n: int) -> dict:
+    """Buckets sealed and sent from compress under DistributedOptimizer (issue 26): records
+    the order of the compressor's collectives and its first decompress, two steps."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))
+
+    def forward(x):
+        for layer in layers:
+            x = _SlowBackward.apply(torch.tanh(layer(x)))
+        return x
+
+    per_layer = (64 * 64 + 64) * 4
+    comp = GlobalQSGD(bits=8, bucket_bytes=2 * per_layer)  # layers 3+2, then layer 1
+    events: list[str] = []
+    spies = {}
+    for method in ("allreduce_max_async", "allreduce_sum_async"):
+        original = getattr(TorchBackend, method)
+        spies[method] = original
+
+        def spy(self, vec, name, pset, _original=original, _what=method):
+            events.append(_what)
+            return _original(self, vec, name, pset)
+        setattr(TorchBackend, method, spy)
+    decompress = comp.decompress
+
+    def logged(tensor, ctx):
+        events.append("decompress")
+        return decompress(tensor, ctx)
+    comp.decompress = logged  # Horovod calls the instance's attribute
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(layers.parameters(), lr=0.1),
+                                   named_parameters=layers.named_parameters(), compression=comp)
+    x = torch.tensor(np.random.default_rng([2, rank]).normal(size=(8, 64)), dtype=torch.float32)
+    y = torch.sin(x.roll(1, dims=1))
+    steps = []
+    try:
+        for _ in range(2):
+            events.clear()
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(forward(x), y).backward()
+            local = [_np(p.grad.clone()) for p in layers.parameters()]
+            opt.synchronize()
+            steps.append({"events": list(events), "local": local,
+                          "reduced": [_np(p.grad) for p in layers.parameters()]})
+            with opt.skip_synchronize():
+                opt.step()
+    finally:
+        for method, original in spies.items():
+            setattr(TorchBackend, method, original)
+    return {"steps": steps}
+
+
 CHUNKED_NUMELS = (70, 200, 45)
 SCENARIOS = [packed_extremes, grid_exact, random_bounds, unbiased, independent_noise, seeded,
-             bad_inputs, errors, optimizer_grads, training, qsgd_baseline, chunked, blocked]
+             bad_inputs, errors, optimizer_grads, training, qsgd_baseline, chunked, blocked,
+             overlap]
 PROCESS_SETS: list = []
 
 

@@ -1,0 +1,208 @@
+"""Deep models on emulated hosts (issue 26): `make bench` runs it (root needed).
+
+    .venv/bin/python benchmarks/deep_bench.py     # docs/BENCHMARKS.md, its deep_model section
+
+One run, on an otherwise idle machine, of:
+
+* benchmarks/deep_worker.py (PyTorch, ``hvd.DistributedOptimizer``) and deep_worker_tf.py
+  (TensorFlow, ``DistributedGradientTape`` in ``tf.function``): 16 x ``Linear(1024, 1024)`` +
+  Tanh, batch 16, 64 MB of fp32 gradient in 32 tensors, at 2 and 4 hosts (network
+  namespaces, benchmarks/emulated_hosts.py), 1 and 10 Gbit/s; ``none``, ``fp16``,
+  ``gqsgd8`` (GlobalQSGD(8) with its defaults: 8 MiB buckets sealed from ``compress`` in
+  PyTorch) and ``gqsgd8b0k`` (``bucket_bytes=0``: one bucket per step, sealed by the first
+  ``decompress``, the behaviour before issue 26);
+* the same variants on benchmarks/train_worker.py's 2-layer MLP (2 hosts, 1 Gbit/s), and the
+  DDP hook against DDP's own allreduce (benchmarks/ddp_bench_worker.py);
+* the 300-tensor shape of benchmarks/small_tensors.py (2 ranks, loopback).
+
+Each deep row is set against a floor, ``max(compute, wire)``: ``compute`` is the step with no
+Horovod at all, measured in the same job on every emulated host at once (so on this
+machine's 2 shared cores), ``wire`` the ring allreduce's bytes at the link rate, ``2 (n-1)/n
+B 8 / R``, with ``B`` the bytes one rank sends into it (codes for GlobalQSGD).  Where a row
+sits at its compute floor, the emulation's CPU, not the compressor, caps it.
+
+Traffic stays inside the namespaces made here; they are removed on exit; each job has a
+timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from emulated_hosts import EmulatedHosts, require_root
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench_common import write_section  # noqa: E402
+
+from hvd_gqsgd import core  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "BENCHMARKS.md"
+RATES = {"1gbit": 1e9, "10gbit": 1e10}
+ENV = {"PYTHONPATH": f"{ROOT}:{ROOT / 'benchmarks'}", "OMP_NUM_THREADS": "1",
+       "TF_CPP_MIN_LOG_LEVEL": "3"}
+GOALS = "none/GQ8 >= 3.2x and fp16/GQ8 >= 1.7x in PyTorch; TF within 15% of those ratios"
+
+
+def rows_of(proc: subprocess.CompletedProcess, what: str) -> list[dict]:
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                           f"{proc.stderr[-3000:]}")
+    lines = [line.split(":", 1)[1] if line.startswith("[0]<stdout>:") else line
+             for line in proc.stdout.splitlines()]
+    return [json.loads(line) for line in lines if line.startswith("{")]
+
+
+def on_hosts(net: EmulatedHosts, worker: str, *args: str, env: dict | None = None
+             ) -> list[dict]:
+    command = [sys.executable, str(ROOT / "benchmarks" / worker), *args]
+    return rows_of(net.mpirun(command, env={**ENV, **(env or {})}, timeout=1200),
+                   f"{worker} on {net.n} hosts")
+
+
+def wire_seconds(row: dict, name: str, hosts: int, rate: float) -> float:
+    """The ring allreduce's bytes per rank at ``rate``: the floor the link sets."""
+    nbytes = row["grad_mb"] * 2**20
+    if name == "fp16":
+        nbytes /= 2
+    elif name.startswith("gqsgd"):
+        nbytes = row.get("payload") or core.wire_bytes(int(nbytes // 4), 8)
+    return 2 * (hosts - 1) / hosts * nbytes * 8 / rate
+
+
+def deep_table(rows: list[dict]) -> list[str]:
+    lines = ["| framework | hosts | link | compressor | step (s) | none / this | fp16 / this | "
+             "floor max(compute, wire) (s) | this / floor | held-out loss start -> end |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['framework']} | {r['hosts']} | {r['rate']} | {r['name']} | "
+            f"{r['median_s']:.3f} | {r['vs_none']:.2f}x | {r['vs_fp16']:.2f}x | "
+            f"{r['floor']:.3f} | {r['median_s'] / r['floor']:.2f}x | "
+            f"{r['loss_start']:.6f} -> {r['loss_end']:.6f} |")
+    return lines
+
+
+def annotate(rows: list[dict], framework: str, hosts: int, rate: str) -> list[dict]:
+    prefix = "tf_deep_" if framework == "TF" else "deep_"
+    by = {r["what"][len(prefix):]: r for r in rows}
+    compute = by.pop("compute")["median_s"]
+    out = []
+    for name, r in by.items():
+        wire = wire_seconds(r, name, hosts, RATES[rate])
+        out.append({**r, "name": name, "framework": framework, "hosts": hosts, "rate": rate,
+                    "vs_none": by["none"]["median_s"] / r["median_s"],
+                    "vs_fp16": by["fp16"]["median_s"] / r["median_s"],
+                    "compute": compute, "wire": wire, "floor": max(compute, wire)})
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hosts", default="2,4")
+    parser.add_argument("--rates", default="1gbit,10gbit")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--torch", default="compute,none,fp16,gqsgd8,gqsgd8b0k")
+    parser.add_argument("--tf", default="compute,none,fp16,gqsgd8")
+    args = parser.parse_args()
+    require_root()
+    start = time.perf_counter()
+    deep: list[dict] = []
+    others: list[str] = []
+    for hosts in [int(h) for h in args.hosts.split(",")]:
+        for rate in args.rates.split(","):
+            with EmulatedHosts(hosts, rate=rate) as net:
+                deep += annotate(on_hosts(net, "deep_worker.py", "--steps", str(args.steps),
+                                          "--compressors", args.torch), "PyTorch", hosts, rate)
+                deep += annotate(on_hosts(net, "deep_worker_tf.py", "--steps",
+                                          str(args.steps), "--compressors", args.tf),
+                                 "TF", hosts, rate)
+                if hosts == 2 and rate == "1gbit":
+                    others += shallow_rows(net, args)
+    others += small_rows()
+    lines = ["## Deep models: codes on the wire while backward runs", "",
+             f"`python benchmarks/deep_bench.py` ({time.strftime('%Y-%m-%d')}, "
+             f"{time.perf_counter() - start:.0f} s; see its docstring): 16 x "
+             "`Linear(1024, 1024)` + Tanh, batch 16, 64 MB of fp32 gradient in 32 tensors; "
+             "emulated hosts (network namespaces) on this machine's 2 cores, one rank each, "
+             f"median of {args.steps} steps of the slowest rank.  `gqsgd8` is "
+             "`GlobalQSGD(bits=8)` with its defaults, `gqsgd8b0k` the same with "
+             "`bucket_bytes=0` (one bucket per step).  The floor is max(compute, wire): "
+             "compute measured with no Horovod, on all hosts at once; wire the ring's bytes "
+             "at the link rate.", "", *deep_table(deep), "", *goal_lines(deep), "",
+             "Where backward is short, or the model small, the same run:", "", *others, ""]
+    print("\n".join(lines))
+    write_section(DOC, "deep_model", lines)
+    return 0
+
+
+def goal_lines(deep: list[dict]) -> list[str]:
+    def at(framework: str, name: str) -> dict | None:
+        return next((r for r in deep if r["framework"] == framework and r["name"] == name
+                     and r["hosts"] == 2 and r["rate"] == "1gbit"), None)
+
+    out = [f"Goals at 2 hosts and 1 Gbit/s: {GOALS}."]
+    torch_gq, tf_gq = at("PyTorch", "gqsgd8"), at("TF", "gqsgd8")
+    if torch_gq is None or tf_gq is None:
+        return out
+    for what, key, goal in (("none/GQ8", "vs_none", 3.2), ("fp16/GQ8", "vs_fp16", 1.7)):
+        t, f = torch_gq[key], tf_gq[key]
+        close = abs(f / t - 1) <= 0.15
+        out.append(f"- {what}: PyTorch {t:.2f}x (goal {goal}x: "
+                   f"{'met' if t >= goal else 'not met'}), TF {f:.2f}x "
+                   f"({100 * (f / t - 1):+.0f}% against PyTorch's; goal within 15%: "
+                   f"{'met' if close else 'not met'})")
+    old = at("PyTorch", "gqsgd8b0k")
+    if old is not None:
+        out.append(f"- PyTorch GQ8 default against `bucket_bytes=0`: "
+                   f"{old['median_s'] / torch_gq['median_s']:.2f}x faster; default at "
+                   f"{torch_gq['median_s'] / torch_gq['floor']:.2f}x of its floor "
+                   f"(compute {torch_gq['compute']:.3f} s, wire {torch_gq['wire']:.3f} s)")
+    return out
+
+
+def shallow_rows(net: EmulatedHosts, args: argparse.Namespace) -> list[str]:
+    """The 2-layer MLP (train_worker.py) and the DDP hook, 2 hosts at 1 Gbit/s."""
+    rows = on_hosts(net, "train_worker.py", "--steps", str(args.steps), "--compressors",
+                    "none,fp16,gqsgd8,gqsgd8b0k")
+    base = {r["what"]: r["median_s"] for r in rows}
+    out = ["| what | variant | step (s) | none / this |", "|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| 2-layer MLP (64 MB), 2 hosts, 1gbit, DistributedOptimizer | "
+                   f"{r['what'][len('train_'):]} | {r['median_s']:.3f} | "
+                   f"{base['train_none'] / r['median_s']:.2f}x |")
+    ddp = on_hosts(net, "ddp_bench_worker.py", "--mode", "ddp", "--variants",
+                   "default,fp16,gqsgd8", "--steps", str(args.steps),
+                   env={"MASTER_ADDR": net.addresses[0], "MASTER_PORT": "29500",
+                        "GLOO_SOCKET_IFNAME": "eth0"})
+    base_ddp = {r["variant"]: r["median_s"] for r in ddp}
+    for r in ddp:
+        out.append(f"| DDP hook (hvd_gqsgd.ddp), same MLP, 2 hosts, 1gbit | {r['variant']} | "
+                   f"{r['median_s']:.3f} | {base_ddp['default'] / r['median_s']:.2f}x |")
+    return out
+
+
+def small_rows() -> list[str]:
+    """benchmarks/small_tensors.py's 300 tensors, 2 ranks on loopback (goal: <= 1.5x)."""
+    horovodrun = Path(sys.executable).parent / "horovodrun"
+    proc = subprocess.run(
+        [str(horovodrun), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable,
+         str(ROOT / "benchmarks" / "small_tensors.py"), "--compressors",
+         "none,gqsgd8,gqsgd8b0k"], capture_output=True, text=True, timeout=900,
+        env={**os.environ, **ENV})
+    rows = {r["what"]: r["median_s"] for r in rows_of(proc, "small_tensors.py")}
+    return [f"| 300 tensors (150 `Linear(32, 32)`), 2 ranks, loopback | {name} | "
+            f"{1e3 * rows[f'small_{name}']:.2f} ms | "
+            f"{rows['small_none'] / rows[f'small_{name}']:.2f}x (GQ8/none "
+            f"{rows[f'small_{name}'] / rows['small_none']:.2f}x; goal <= 1.5x) |"
+            for name in ("none", "gqsgd8", "gqsgd8b0k")]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

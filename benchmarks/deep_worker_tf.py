@@ -1,0 +1,92 @@
+"""TensorFlow twin of benchmarks/deep_worker.py (benchmarks/deep_bench.py launches both).
+
+The same deep MLP (``--depth`` x ``Linear(width, width)`` + Tanh, as plain variables: Keras 3
+variables break Horovod's tape, see the README), trained with ``hvd.DistributedGradientTape``
+in ``tf.function`` with Horovod's default arguments.  ``compute`` is the same step with a
+plain ``tf.GradientTape``.  Rank 0 prints one JSON line per variant, named ``tf_deep_<name>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+from bench_common import compressor
+
+
+def layers(width: int, depth: int) -> list[tf.Variable]:
+    out = []
+    for i in range(depth):
+        out += [tf.Variable(tf.random.stateless_uniform([width, width], seed=[0, i],
+                                                        minval=-1, maxval=1) / width**0.5),
+                tf.Variable(tf.zeros([width]))]
+    return out
+
+
+def forward(params: list[tf.Variable], x: tf.Tensor) -> tf.Tensor:
+    for w, b in zip(params[::2], params[1::2]):
+        x = tf.tanh(x @ w + b)
+    return x
+
+
+def run(name: str, args: argparse.Namespace) -> dict:
+    params = layers(args.width, args.depth)
+    comp = None if name == "compute" else compressor(name, hvd)
+    held_out = tf.random.stateless_normal([64, args.width], seed=[12345, 0])
+
+    def target(x: tf.Tensor) -> tf.Tensor:
+        return tf.sin(tf.roll(x, 1, axis=1))
+
+    def held_out_loss() -> float:
+        return float(tf.reduce_mean(tf.square(forward(params, held_out) - target(held_out))))
+
+    @tf.function
+    def step(x: tf.Tensor) -> tf.Tensor:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(forward(params, x) - target(x)))
+        if comp is not None:
+            tape = hvd.DistributedGradientTape(tape, compression=comp)
+        grads = tape.gradient(loss, params)
+        for p, g in zip(params, grads):
+            p.assign_sub(args.lr * g)
+        return loss
+
+    loss_start, times = held_out_loss(), []
+    barrier = tf.zeros([1])
+    for i in range(args.steps + 1):
+        x = tf.random.stateless_normal([args.batch, args.width], seed=[hvd.rank(), i])
+        hvd.allreduce(barrier, name="barrier")
+        start = time.perf_counter()
+        step(x)
+        if i:  # the first step traces and warms up
+            times.append(time.perf_counter() - start)
+    slowest = hvd.allreduce(tf.constant(statistics.median(times)), op=hvd.Max,
+                            name=f"t.{name}")
+    return {"what": f"tf_deep_{name}", "median_s": float(slowest), "loss_start": loss_start,
+            "loss_end": held_out_loss(), "ranks": hvd.size(),
+            "grad_mb": sum(int(tf.size(p)) * 4 for p in params) / 2**20,
+            "tensors": len(params)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=0.5)
+    parser.add_argument("--compressors", default="compute,none,fp16,gqsgd8")
+    args = parser.parse_args()
+    hvd.init()
+    for name in args.compressors.split(","):
+        row = run(name, args)
+        if hvd.rank() == 0:
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""The engine's schedule (issue 26), in one process: buckets sealed from ``compress``, their
+scale exchange asynchronous, codes launched by a later ``compress`` once it has finished,
+``decompress`` waiting only for what it needs.  A one-rank fake Horovod (the torch backend's
+local half, with collectives whose completion the test controls) records every collective;
+multi-rank behaviour through real Horovod is in tests/test_multiproc.py
+(``test_buckets_go_on_the_wire_while_backward_runs``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hvd_gqsgd import core
+from hvd_gqsgd.engine import Engine
+from hvd_gqsgd.torch_ops import TorchLocal
+
+
+class _Set:
+    def included(self):
+        return True
+
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 1
+
+
+class _Handle:
+    def __init__(self, value):
+        self.value, self.ready = value, False
+
+
+class OneRank(TorchLocal):
+    """One rank's collectives (a sum or max over one rank is the input); each handle stays
+    not ready until the test calls :meth:`finish`.  ``log`` lists (event, name)."""
+
+    def __init__(self, auto: int = core.AUTO_BUCKET_BYTES):
+        super().__init__(seed=3)
+        self.log: list[tuple[str, str]] = []
+        self.handles: list[_Handle] = []
+        self.auto = auto
+
+    def _start(self, what, value, name):
+        self.log.append((what, name))
+        handle = _Handle(value)
+        self.handles.append(handle)
+        return handle
+
+    def finish(self):
+        for h in self.handles:
+            h.ready = True
+
+    def global_process_set(self):
+        return _Set()
+
+    def allreduce_max(self, vec, name, pset):  # pragma: no cover - the engine must not block
+        raise AssertionError("blocking scale exchange")
+
+    def allreduce_max_async(self, vec, name, pset):
+        return self._start("max", vec.clone(), name)
+
+    def allreduce_sum_async(self, words, name, pset):
+        return self._start("sum", words, name)
+
+    def reducescatter_sum_async(self, words, name, pset):
+        return self._start("rs", words, name)
+
+    def allgather_async(self, tensor, name, pset):
+        return self._start("ag", tensor, name)
+
+    def poll(self, handle):
+        return handle.ready
+
+    def wait(self, handle):
+        if not handle.ready:
+            self.log.append(("blocked", ""))
+            handle.ready = True
+        return handle.value
+
+    def auto_bucket_bytes(self):
+        return self.auto
+
+
+def _grid(numel: int, seed: int) -> torch.Tensor:
+    """Values on the 8-bit one-rank grid of their block's max: quantized exactly."""
+    rng = np.random.default_rng(seed)
+    k = rng.integers(-127, 128, numel)
+    k[0] = 127
+    return torch.tensor(k * 0.25 / 127, dtype=torch.float32)
+
+
+def _engine(backend, **settings):
+    return Engine(backend, core.Settings(bits=8, **settings), None, uid=0)
+
+
+def _events(backend):
+    return [e for e, _ in backend.log]
+
+
+@pytest.mark.parametrize("two_stage", [False, True])
+def test_full_bucket_sealed_in_compress_and_sent_by_the_next(two_stage):
+    b = OneRank()
+    eng = _engine(b, bucket_bytes=400, two_stage=two_stage)
+    xs = [_grid(100, i) for i in range(3)]  # 400 bytes each: one bucket per tensor
+    probes = []
+    probes.append(eng.compress(xs[0]))
+    assert _events(b) == ["max"]  # sealed, exchange started, nothing waited for
+    probes.append(eng.compress(xs[1]))
+    assert _events(b) == ["max", "max"]  # bucket 0's scales are not back yet: no codes
+    b.finish()
+    probes.append(eng.compress(xs[2]))
+    first = "rs" if two_stage else "sum"
+    # bucket 2 is sealed, then buckets 0 and 1 advance (two-stage: to their reduce-scatters)
+    assert _events(b) == ["max", "max", "max", first, first]
+    if two_stage:
+        b.finish()
+        xs.append(_grid(10, 3))  # too small to seal a bucket, but moves the queue on
+        probes.append(eng.compress(xs[3]))
+        assert _events(b)[5:] == ["ag", "ag", "rs"]  # 0, 1 requantized and gathered; 2 on
+    outs = [eng.decompress(p, ctx) for p, ctx in probes]
+    for x, out in zip(xs, outs):  # grid values: exact codes (one step is 2e-3)
+        torch.testing.assert_close(out, x, rtol=1e-6, atol=1e-9)
+    assert ("blocked", "") in b.log  # bucket 2 was still in flight: decompress waited
+    assert eng.stats.rounds == 1 and eng.stats.tensors == len(xs)
+
+
+def test_decompress_waits_only_for_buckets_up_to_its_own():
+    b = OneRank()
+    eng = _engine(b, bucket_bytes=400, two_stage=False)
+    xs = [_grid(100, i) for i in range(3)]
+    probes = [eng.compress(x) for x in xs]
+    assert _events(b) == ["max"] * 3
+    out = eng.decompress(*probes[0])  # needs bucket 0 only
+    torch.testing.assert_close(out, xs[0], rtol=1e-6, atol=1e-9)
+    assert _events(b) == ["max"] * 3 + ["blocked", "sum", "blocked"]
+    b.finish()
+    for x, p in zip(xs[1:], probes[1:]):
+        torch.testing.assert_close(eng.decompress(*p), x, rtol=1e-6, atol=1e-9)
+    assert _events(b).count("sum") == 3
+
+
+def test_bucketing_depends_on_the_round_alone():
+    """The same tensors make the same buckets and names whatever ran before (a rank that
+    elastic adds mid-run has no history): a partly filled last bucket is always sealed by
+    the first decompress, also after rounds of other sizes."""
+    def schedule(history):
+        b = OneRank(auto=1 << 20)  # automatic buckets far larger than the tensors
+        eng = _engine(b)  # bucket_bytes=None: the backend's choice
+        for numels in history + [[50, 50, 50, 50]]:
+            b.log.clear()
+            xs = [_grid(k, i) for i, k in enumerate(numels)]
+            probes = [eng.compress(x) for x in xs]
+            assert b.log == []  # nothing full: nothing sealed in compress
+            b.finish()
+            for x, p in zip(xs, probes):
+                torch.testing.assert_close(eng.decompress(*p), x, rtol=1e-6, atol=1e-9)
+        return [e for e in b.log if e[0] != "blocked"]
+
+    fresh = schedule([])
+    assert fresh == [("max", "gqsgd.0.b0.scale"), ("sum", "gqsgd.0.b0.codes")]
+    assert schedule([[50, 50, 50, 50], [7], [50]]) == fresh
+
+
+def test_bucket_bytes_zero_and_hierarchical_seal_only_in_decompress():
+    eng = _engine(OneRank(auto=1), bucket_bytes=0)
+    for _ in range(2):  # also once the round's size is known
+        eng.backend.log.clear()
+        probes = [eng.compress(_grid(50, i)) for i in range(3)]
+        assert eng.backend.log == []
+        for p in probes:
+            eng.decompress(*p)
+        assert _events(eng.backend) == ["max", "blocked", "sum", "blocked"]
+    # hierarchical's collectives block, so its automatic bucket_bytes is 0 (compress only
+    # queues; its decompress needs real Horovod: tests/test_hierarchical.py)
+    eng = _engine(OneRank(auto=1), hierarchical=True, chunk_bytes=0)
+    for i in range(3):
+        eng.compress(_grid(50, i))
+    assert eng.backend.log == [] and len(eng._round.queued) == 3
+
+
+def test_bucket_bytes_is_validated():
+    assert core.Settings().bucket_bytes is None
+    with pytest.raises(ValueError, match="None \\(automatic\\) or an int >= 0"):
+        core.Settings(bucket_bytes=-1)
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        core.Settings(bucket_bytes=1.5)  # type: ignore[arg-type]
+
+
+def test_a_failure_in_compress_resets_the_round():
+    b = OneRank()
+    eng = _engine(b, bucket_bytes=400, two_stage=False)
+    eng.compress(_grid(100, 0))
+    b.finish()
+    b.handles[0].value[-1] = 1.0  # a layout mismatch: max(h) != -max(-h)
+    with pytest.raises(RuntimeError, match="ranks compressed different tensors"):
+        eng.compress(_grid(100, 1))  # the error surfaces where the exchange is waited for
+    assert eng._round.pending == [] and eng._round.queued == []
