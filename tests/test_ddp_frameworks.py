@@ -31,6 +31,10 @@ _dist.all_gather(_all, _params)
 with open(f"rank{_dist.get_rank()}.pkl", "wb") as _f:
     _pickle.dump({"size": _dist.get_world_size(), "params": [t.numpy() for t in _all],
                   "rounds": STATE.stats.rounds}, _f)
+# torch/Gloo sometimes aborts at exit with a live process group ("terminate called without
+# an active exception", seen here with and without hvd_gqsgd): end it first
+_dist.barrier()
+_dist.destroy_process_group()
 '''
 
 
