@@ -23,8 +23,12 @@ setup:
 test: setup
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
+# examples/demo.py: examples/torch_digits.py under horovodrun (loopback), then a 64 MB-gradient
+# training step on 2 emulated hosts at 1 Gbit/s (root), or its predicted time at 1 and
+# 10 Gbit/s elsewhere (DEMO_LINK=predicted forces that), in one table.
+DEMO_LINK ?= auto
 demo: setup
-	$(VENV)/bin/horovodrun --gloo -np $(NP) -H localhost:$(NP) $(PY) examples/torch_digits.py \
+	$(PY) examples/demo.py --np $(NP) --link $(DEMO_LINK) \
 		2>&1 | $(TF_NOISE) | sed -e 's/^\[0\]<stdout>://'
 
 

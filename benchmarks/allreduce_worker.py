@@ -3,8 +3,9 @@
 Times ``hvd.allreduce`` of one fp32 gradient, default op (Average), per compressor, and two
 inputs of the performance model: ``latency`` (a 1-element allreduce) and ``local`` (the same
 GlobalQSGD allreduce on a process set of this rank alone: quantization and Horovod overhead,
-no network).  Rank 0 prints one JSON line per measurement: the median over repeats of the
-slowest rank.
+no network).  With ``--compute-width W`` also ``compute``: train_worker.py's step at width W
+(forward, backward, SGD update) with no allreduce.  Rank 0 prints one JSON line per
+measurement: the median over repeats of the slowest rank.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 
 import horovod.torch as hvd
 import torch
+import train_worker
 from bench_common import allreduce_args, compressor, hvd_size_from_env
 
 
@@ -28,6 +30,20 @@ def timed(fn, repeats: int, name: str) -> float:
             times.append(time.perf_counter() - start)
     slowest = hvd.allreduce(torch.tensor(statistics.median(times)), op=hvd.Max, name=f"t.{name}")
     return float(slowest)
+
+
+def compute_step(width: int, batch: int = 32):
+    """train_worker.py's step (same model and batch) without Horovod: what a step costs
+    when the allreduce is free."""
+    net = train_worker.model(width)
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+
+    def step() -> None:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+    return step
 
 
 def main() -> None:
@@ -49,6 +65,8 @@ def main() -> None:
             rows[f"local_{name}"] = timed(
                 lambda c=local, ps=mine: hvd.allreduce(x, compression=c, process_set=ps),
                 args.repeats, f"local_{name}")
+    if args.compute_width:
+        rows["compute"] = timed(compute_step(args.compute_width), args.repeats, "compute")
     if hvd.rank() == 0:
         for name, seconds in rows.items():
             print(json.dumps({"what": name, "mb": args.mb, "ranks": hvd.size(),

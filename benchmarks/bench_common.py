@@ -50,6 +50,9 @@ def allreduce_args() -> argparse.Namespace:
     parser.add_argument("--mb", type=float, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--compressors", default="none,fp16,gqsgd8")
+    parser.add_argument("--compute-width", type=int, default=0,
+                        help="also time train_worker.py's step at this width without any "
+                        "allreduce (what examples/demo.py's prediction adds to the model's)")
     return parser.parse_args()
 
 

@@ -140,14 +140,18 @@ COLUMNS = [("test acc", "test_acc", ".4f", 10, ""), ("test loss", "test_loss", "
            ("vs fp32", "bytes_vs_fp32", ".2f", 9, "x"), ("wall s", "wall_s", ".2f", 8, "")]
 
 
-def report(runs: list[dict], args) -> None:
-    """Rank 0: the comparison table, then what each GlobalQSGD setting bought."""
+def report(runs: list[dict], args, world_size: int,
+           extra_columns: tuple = (), footer: list[str] | None = None) -> None:
+    """Rank 0 (or examples/demo.py after the job): the comparison table, then what each
+    GlobalQSGD setting bought.  ``extra_columns`` (print_table's format) read more keys of
+    the runs, e.g. the demo's step times on 1 Gbit/s links; ``footer`` replaces the closing
+    note about loopback."""
     groups = group_runs(runs)
     seeds = seeds_of(args.seeds)
-    print(f"\nhvd_gqsgd demo: digits MLP, {hvd.size()} ranks, {args.epochs} epochs, "
+    print(f"\nhvd_gqsgd demo: digits MLP, {world_size} ranks, {args.epochs} epochs, "
           f"{runs[0]['steps']} steps per run" + (f", seeds {args.seeds}" if len(seeds) > 1
                                                  else ""))
-    print_table(runs, COLUMNS)
+    print_table(runs, [*COLUMNS, *extra_columns])
     if len(seeds) > 1:
         print("(mean±std over seeds; test acc/loss on the 360 held-out digits)")
     base = groups.get("none")
@@ -161,8 +165,10 @@ def report(runs: list[dict], args) -> None:
         print(f"Per step it spent {np.mean([r['quantize_ms'] for r in group]):.2f} ms "
               f"quantizing and {np.mean([r['scale_wait_ms'] for r in group]):.2f} ms waiting "
               "on the scale exchange (GlobalQSGD.stats).")
-    print("Wall time here is loopback on one machine, where bandwidth is free; the byte "
-          "saving pays off on real links.")
+    for line in footer if footer is not None else [
+            "Wall time here is loopback on one machine, where bandwidth is free; the byte "
+            "saving pays off on real links."]:
+        print(line)
 
 
 def main() -> None:
@@ -172,6 +178,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (momentum 0.9)")
     parser.add_argument("--bits", type=int, default=8,
                         help="GlobalQSGD bits of the default comparison (--variants none,gq8)")
+    parser.add_argument("--no-report", action="store_true",
+                        help="skip the table (examples/demo.py prints it, with link times, "
+                        "from --json)")
     add_common_args(parser, default_variants=None, variants_help="none,gq<--bits>")
     args = parser.parse_args()
     variants = parse_variants(args.variants or f"none,gq{args.bits}")
@@ -191,7 +200,8 @@ def main() -> None:
                      f"{r['test_acc']:.4f}, test loss {r['test_loss']:.4f} ({r['wall_s']:.1f} s)")
     bar.close()
     if hvd.rank() == 0:
-        report(runs, args)
+        if not args.no_report:
+            report(runs, args, hvd.size())
         write_outputs(args, {"experiment": "digits_torch", "world_size": hvd.size(),
                              "title": f"PyTorch MLP on sklearn digits, {hvd.size()} ranks",
                              "metric": "test_loss", "settings": settings_of(args),

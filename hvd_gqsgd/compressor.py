@@ -3,22 +3,67 @@ type of the first tensor it sees and imports that framework only then."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
 import sys
 import threading
+import types
+from collections.abc import Callable
 from typing import Any
 
 from . import core
 from .engine import Engine, Stats
 
-__all__ = ["GlobalQSGD"]
+__all__ = ["GlobalQSGD", "instance_hook", "refuse_class"]
 
 # tensor type's top-level module -> adapter module, backend class name
 _ADAPTERS = {
     "torch": ("hvd_gqsgd.torch", "TorchBackend"),
     "tensorflow": ("hvd_gqsgd.tensorflow", "TensorFlowBackend"),
 }
+
+
+def _class_message(cls: type, where: str) -> str:
+    name = cls.__name__
+    return (f"compression={name} passes the class, not a compressor ({where}): write "
+            f"compression={name}(bits=8), with parentheses. Horovod's own compressors are "
+            f"classes (hvd.Compression.fp16), but a {name} holds per-run state (its settings, "
+            "rounding generator and collective names), so each optimizer needs an instance.")
+
+
+def refuse_class(compression: Any, where: str) -> None:
+    """``TypeError`` (naming the fix) when ``compression`` is the ``GlobalQSGD`` class or a
+    subclass instead of an instance; for the entry points that take a compressor, so they
+    refuse it at construction.  ``where`` names the entry point in the message."""
+    if isinstance(compression, type) and issubclass(compression, GlobalQSGD):
+        raise TypeError(_class_message(compression, where))
+
+
+class instance_hook:  # noqa: N801 -- used as a decorator, like classmethod
+    """A compressor hook (``compress``/``decompress``) that refuses the class as receiver.
+
+    ``hvd.DistributedOptimizer(opt, compression=GlobalQSGD)`` (no parentheses, as Horovod's
+    ``hvd.Compression.fp16`` is written) makes Horovod call ``GlobalQSGD.compress(tensor)``.
+    A plain method would bind the tensor to ``self`` and fail with "missing 1 required
+    positional argument"; looked up on the class, this one returns a function that raises
+    a ``TypeError`` naming the fix instead.  Looked up on an instance it is the plain method.
+    """
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.__doc__ = fn.__doc__
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Callable[..., Any]:
+        if obj is not None:
+            return types.MethodType(self.fn, obj)
+        cls = owner if owner is not None else GlobalQSGD
+
+        @functools.wraps(self.fn)
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise TypeError(_class_message(
+                cls, f"{cls.__name__}.{self.fn.__name__}() was called on the class"))
+        return refuse
 
 
 class GlobalQSGD:
@@ -108,11 +153,11 @@ class GlobalQSGD:
             network; the result is bit-identical on all ranks.  Works after a plain
             ``hvd.init()`` on the global process set (6 collectives per bucket: 4
             alltoalls and 2 small MAX allreduces; :mod:`hvd_gqsgd.hierarchical`).  Falls
-            back to flat Global-QSGD with one node or one rank per node, and, with a
-            one-time ``RuntimeWarning``, when nodes have unequal rank counts.  PyTorch only;
-            not with ``chunk_bytes`` or a ``process_set``.  With two-stage (below), the
-            reduce-scatter and allgather across nodes are the two stages, so its wide lanes
-            count nodes.
+            back to flat Global-QSGD, with a one-time ``RuntimeWarning`` that says why, on
+            one node, with one rank per node, or when nodes have unequal rank counts.
+            PyTorch only; not with ``chunk_bytes`` or a ``process_set``.  With two-stage
+            (below), the reduce-scatter and allgather across nodes are the two stages, so its
+            wide lanes count nodes.
         two_stage: ``True``: two-stage Global-QSGD (see above); ``False``: flat, which
             warns once when it leaves fewer than 15 levels per rank; ``None`` (default):
             two-stage where flat would leave fewer than 15 levels
@@ -167,10 +212,12 @@ class GlobalQSGD:
                 + (", hierarchical=True" if s.hierarchical else "")
                 + (f", two_stage={s.two_stage})" if s.two_stage is not None else ")"))
 
+    @instance_hook
     def compress(self, tensor: Any) -> tuple[Any, Any]:
         """Horovod compressor hook.  Queues ``tensor`` and returns ``(probe, ctx)``."""
         return self._engine_for(tensor).compress(tensor)
 
+    @instance_hook
     def decompress(self, tensor: Any, ctx: Any) -> Any:
         """Horovod compressor hook.  Returns the reduced gradient for ``ctx`` (COLLECTIVE on
         the first call after a batch of ``compress`` calls)."""
@@ -219,5 +266,5 @@ class GlobalQSGD:
 # inside) when Horovod calls them in a tf.function; they have no tensor-dependent Python
 # control flow, so they must run as written.  This is the attribute that
 # tf.autograph.experimental.do_not_convert sets, written here without importing TensorFlow.
-for _hook in (GlobalQSGD.compress, GlobalQSGD.decompress):
-    setattr(_hook, "autograph_info__", frozenset())  # noqa: B010
+for _hook in ("compress", "decompress"):
+    setattr(GlobalQSGD.__dict__[_hook].fn, "autograph_info__", frozenset())  # noqa: B010

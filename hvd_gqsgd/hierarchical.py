@@ -17,8 +17,9 @@ flat Global-QSGD), at every rank ``(c, j)``:
 0. **Topology** (COLLECTIVE, MAX allreduce of ``4 * size`` floats).  Every rank writes its
    ``(local_rank, local_size, cross_rank, cross_size)`` at its own offset; all ranks get the
    same table and take the same decision: hierarchical when every node has the same
-   ``S > 1`` ranks and ``C > 1``; otherwise flat Global-QSGD (with a one-time warning when the
-   nodes are unequal).  Read at every flush, so elastic resizes are followed.
+   ``S > 1`` ranks and ``C > 1``; otherwise flat Global-QSGD, with a one-time
+   ``RuntimeWarning`` that says why (one node, one rank per node, or unequal nodes).
+   Read at every flush, so elastic resizes are followed.
 1. **Shards.** The bucket is cut into ``S`` shards at multiples of ``64 // bits`` elements
    (:func:`shard_plan`), so shard ``j``'s packed words are words ``[lo_j / K, hi_j / K)`` of
    the whole bucket.  A scale segment may straddle two shards.
@@ -131,7 +132,8 @@ def check_backend(backend: Any) -> None:
 def topology(backend: Any, rank: int, size: int, pset: Any, name: str, like: Any
              ) -> Tree | None:
     """COLLECTIVE (MAX allreduce of ``4 * size`` floats): the node layout, or ``None`` when
-    flat Global-QSGD must run (one node, one rank per node, or unequal nodes: warned once).
+    flat Global-QSGD must run (one node, one rank per node, or unequal nodes: each warned
+    once per process with a ``RuntimeWarning``).
     Every rank gets the same table, so every rank returns the same decision."""
     check_backend(backend)
     if pset is not backend.global_process_set():
@@ -145,15 +147,28 @@ def topology(backend: Any, rank: int, size: int, pset: Any, name: str, like: Any
     table = backend.host_list(backend.allreduce_max(backend.probe(values, like), name, pset))
     rows = [tuple(int(v) for v in table[4 * r:4 * r + 4]) for r in range(size)]
     layout = _grid(rows)
+    why = _flat_reason(rows, layout)
+    if why is not None:
+        _warn_once(f"GlobalQSGD(hierarchical=True): {why}; using flat Global-QSGD with "
+                   f"levels for n={size} ranks. Pass hierarchical=False to silence this.")
+        return None
+    assert layout is not None
+    return Tree(local_rank=mine[0], cross_rank=mine[2], ranks=layout)
+
+
+def _flat_reason(rows: Sequence[tuple[int, ...]],
+                 layout: tuple[tuple[int, ...], ...] | None) -> str | None:
+    """Why the hierarchy cannot help on this layout (the start of the one-time warning), or
+    None when it can.  One node or one rank per node is flat already: every level count would
+    equal flat Global-QSGD's, for 4 more collectives per bucket."""
     if layout is None:
         sizes = sorted({(row[3], row[1]) for row in rows})
-        _warn_once(
-            f"GlobalQSGD(hierarchical=True): the nodes have unequal rank counts (cross_size, "
-            f"local_size pairs {sizes}); using flat Global-QSGD with levels for n={size} ranks")
-        return None
-    if len(layout) == 1 or len(layout[0]) == 1:
-        return None  # one node, or one rank per node: the hierarchy is flat already
-    return Tree(local_rank=mine[0], cross_rank=mine[2], ranks=layout)
+        return f"the nodes have unequal rank counts (cross_size, local_size pairs {sizes})"
+    if len(layout) == 1:
+        return f"one node holds all {len(rows)} rank(s) (cross_size 1)"
+    if len(layout[0]) == 1:
+        return f"each of the {len(layout)} nodes has one rank (local_size 1)"
+    return None
 
 
 def _grid(rows: Sequence[tuple[int, ...]]) -> tuple[tuple[int, ...], ...] | None:

@@ -33,6 +33,8 @@ import horovod.tensorflow as hvd
 import keras
 import tensorflow as tf
 
+from .compressor import refuse_class
+
 __all__ = ["BroadcastGlobalVariablesCallback", "DistributedOptimizer", "MetricAverageCallback",
            "broadcast_variables"]
 
@@ -240,6 +242,7 @@ def _keras3_optimizer(optimizer: Any) -> Any:
 
 
 def _reduction(compression: Any, op: Any, process_set: Any) -> _Reduction:
+    refuse_class(compression, "given to hvd_gqsgd.keras.DistributedOptimizer")
     op = hvd.Average if op is None else op
     if op not in (hvd.Average, hvd.Sum):
         raise ValueError(f"op must be hvd.Average or hvd.Sum; got {op!r}. Gradients are "

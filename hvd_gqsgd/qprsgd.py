@@ -32,7 +32,7 @@ import horovod.torch as hvd
 import torch
 
 from . import core
-from .compressor import GlobalQSGD
+from .compressor import GlobalQSGD, refuse_class
 
 __all__ = ["QPRSGD", "SyncStats", "TOPOLOGIES", "RING_WEIGHT", "ring_neighbours"]
 
@@ -482,6 +482,7 @@ def _check_params(params: Iterable[Any]) -> list[torch.Tensor]:
 
 
 def _check_compression(compression: Any, topology: str, process_set: Any) -> None:
+    refuse_class(compression, "given to QPRSGD")
     if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
         raise TypeError(f"QPRSGD compression must be a Horovod compressor (compress/decompress),"
                         f" e.g. GlobalQSGD(bits=8) or hvd.Compression.none; got {compression!r}")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import core
-from .compressor import GlobalQSGD
+from .compressor import GlobalQSGD, instance_hook
 
 __all__ = ["QSGDAllgather"]
 
@@ -42,6 +42,7 @@ class QSGDAllgather(GlobalQSGD):
 
     _serial = itertools.count()
 
+    @instance_hook
     def compress(self, tensor: Any) -> tuple[Any, Any]:
         engine = self._engine_for(tensor)
         b = engine.backend
@@ -58,6 +59,7 @@ class QSGDAllgather(GlobalQSGD):
                        b.allgather_async(norms, f"{name}.scales", pset))
         return b.probe(core.probe_values(rank), tensor), ctx
 
+    @instance_hook
     def decompress(self, tensor: Any, ctx: Any) -> Any:
         if ctx is None:
             return tensor

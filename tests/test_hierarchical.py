@@ -98,10 +98,16 @@ def ranks22(tmp_path_factory):
     return _job((2, 2), tmp_path_factory)
 
 
+# layouts where the hierarchy cannot help -> horovodrun -H, world size, the warning's reason
+FALLBACKS = {"2+1": ("localhost:2,127.0.0.1:1", 3, "unequal rank counts"),
+             "1x2": ("localhost:2", 2, "one node holds all 2 rank"),
+             "2x1": ("localhost:1,127.0.0.1:1", 2, "each of the 2 nodes has one rank")}
+
+
 @pytest.fixture(scope="module")
 def unequal_ranks(tmp_path_factory):
     """2 ranks on one node, 1 on the other."""
-    return _launch("localhost:2,127.0.0.1:1", 3, "unequal", tmp_path_factory.mktemp("hier-2+1"))
+    return _launch(*FALLBACKS["2+1"][:2], "unequal", tmp_path_factory.mktemp("hier-2+1"))
 
 
 def _shape(results) -> tuple[int, int, int]:
@@ -216,13 +222,17 @@ def test_topology_decisions(recwarn):
     trees = _topologies([(0, 2, 0, 2), (1, 2, 0, 2), (0, 2, 1, 2), (1, 2, 1, 2)])
     assert [(t.cross_rank, t.local_rank) for t in trees] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert trees[3].node == (2, 3) and trees[3].peers == (1, 3) and trees[0].cross_size == 2
-    assert _topologies([(0, 1, 0, 2), (0, 1, 1, 2)]) == [None, None]  # one rank per node
-    assert _topologies([(0, 2, 0, 1), (1, 2, 0, 1)]) == [None, None]  # one node
-    assert not recwarn.list
-    hierarchical._WARNED.clear()
-    with pytest.warns(RuntimeWarning, match="unequal rank counts"):
-        assert _topologies([(0, 2, 0, 2), (1, 2, 0, 1), (0, 1, 1, 2)]) == [None] * 3
-    assert len(hierarchical._WARNED) == 1  # once per process, not once per call
+    assert not recwarn.list  # a real hierarchy: no warning
+    for rows, why in (([(0, 1, 0, 2), (0, 1, 1, 2)], "each of the 2 nodes has one rank"),
+                      ([(0, 2, 0, 1), (1, 2, 0, 1)], "one node holds all 2 rank"),
+                      ([(0, 2, 0, 2), (1, 2, 0, 1), (0, 1, 1, 2)], "unequal rank counts")):
+        hierarchical._WARNED.clear()
+        with pytest.warns(RuntimeWarning, match=why) as caught:
+            assert _topologies(rows) == [None] * len(rows)
+            assert _topologies(rows) == [None] * len(rows)
+        assert len(caught) == 1, [str(w.message) for w in caught]  # once, not once per call
+        assert f"levels for n={len(rows)} ranks" in str(caught[0].message)
+        assert "hierarchical=False" in str(caught[0].message)  # how to silence it
     with pytest.raises(ValueError, match="global process set"):
         hierarchical.topology(FakeBackend([(0, 1, 0, 1)], 0), 0, 1, object(), "t", None)
 
@@ -431,6 +441,25 @@ def test_unequal_nodes_fall_back_to_flat_with_one_warning(unequal_ranks):
     np.testing.assert_array_equal(_all_equal([r["unequal"]["sum2"] for r in unequal_ranks]),
                                   exact)
     assert math.isclose(core.levels(8, n), 42)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", ["1x2", "2x1"])
+def test_one_node_or_one_rank_per_node_falls_back_to_flat_with_one_warning(layout, tmp_path):
+    """The README's options table: one node, or one rank per node, runs flat Global-QSGD and
+    says so once per process (two allreduces, one warning), with flat's exact grid sums."""
+    hosts, n, why = FALLBACKS[layout]
+    ranks = _launch(hosts, n, "unequal", tmp_path)
+    assert {(r["where"][3], r["where"][1]) for r in ranks} == {
+        (int(layout[0]), int(layout[2]))}  # Horovod's (cross_size, local_size)
+    exact = np.sum([r["unequal"]["codes"] for r in ranks], axis=0) * 2.0**-3
+    for r in ranks:
+        caught = r["unequal"]["warnings"]
+        assert len(caught) == 1, caught
+        assert caught[0].startswith("RuntimeWarning") and why in caught[0], caught[0]
+        assert f"n={n}" in caught[0]
+    for key in ("sum", "sum2"):
+        np.testing.assert_array_equal(_all_equal([r["unequal"][key] for r in ranks]), exact)
 
 
 def test_two_stage_across_nodes_replays_the_oracle(ranks22):

@@ -141,7 +141,8 @@ def two_stage(rank: int) -> dict:
 
 
 def unequal(rank: int, n: int) -> dict:
-    """Unequal nodes: flat Global-QSGD with a warning; flat's grid inputs sum exactly."""
+    """Unequal nodes, one node, or one rank per node: flat Global-QSGD with one warning;
+    flat's grid inputs sum exactly."""
     level = (2 ** 7 - 1) // n
     k = np.random.default_rng([5, rank]).integers(-level, level + 1, 100)
     k[0] = level
