@@ -66,6 +66,18 @@ def train_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def deep_args(compressors: str) -> argparse.Namespace:
+    """Command line of the deep-model workers (deep_worker[_tf].py)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=0.5)
+    parser.add_argument("--compressors", default=compressors)
+    return parser.parse_args()
+
+
 def write_section(path: Path, name: str, lines: list[str], title: str = "") -> None:
     """Replace the block between ``<!-- name begin -->`` and ``<!-- name end -->`` in the
     markdown file ``path`` by ``lines`` (appended, after ``title`` for a new file, when the

@@ -20,7 +20,7 @@ import time
 
 import horovod.torch as hvd
 import torch
-from bench_common import compressor
+from bench_common import compressor, deep_args
 
 
 def model(width: int, depth: int) -> torch.nn.Module:
@@ -75,14 +75,7 @@ def run(name: str, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--depth", type=int, default=16)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=0.5)
-    parser.add_argument("--compressors", default="compute,none,fp16,gqsgd8,gqsgd8b0k")
-    args = parser.parse_args()
+    args = deep_args("compute,none,fp16,gqsgd8,gqsgd8b0k")
     hvd.init()
     torch.set_num_threads(1)
     for name in args.compressors.split(","):

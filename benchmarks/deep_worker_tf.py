@@ -15,7 +15,7 @@ import time
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
-from bench_common import compressor
+from bench_common import compressor, deep_args
 
 
 def layers(width: int, depth: int) -> list[tf.Variable]:
@@ -73,14 +73,7 @@ def run(name: str, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--depth", type=int, default=16)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=0.5)
-    parser.add_argument("--compressors", default="compute,none,fp16,gqsgd8")
-    args = parser.parse_args()
+    args = deep_args("compute,none,fp16,gqsgd8")
     hvd.init()
     for name in args.compressors.split(","):
         row = run(name, args)
