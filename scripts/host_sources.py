@@ -30,7 +30,8 @@ def pip_settings(listing: str) -> dict[str, dict[str, str]]:
     """Section -> key -> value from `pip config list`, the way pip merges them.
 
     pip prints `section.key='value'` per file setting and `:env:.key='value'` per PIP_*
-    variable; a variable overrides the same key in any file, so it lands in [global] last."""
+    variable; a variable overrides the same key in any file, so it lands in [global] last.
+    Raises ValueError on a line of any other shape."""
     settings: dict[str, dict[str, str]] = {}
     env: dict[str, str] = {}
     for line in listing.splitlines():
@@ -41,6 +42,8 @@ def pip_settings(listing: str) -> dict[str, dict[str, str]]:
         if not (sep and dot and section):
             raise ValueError(f"unexpected line from `pip config list`: {line!r}")
         value = ast.literal_eval(raw)
+        if key == "config-file":
+            continue  # PIP_CONFIG_FILE: pip lists that file's settings; they are what counts
         if section == ":env:":
             env[key] = value
         else:

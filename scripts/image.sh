@@ -108,8 +108,10 @@ build() {
   local args=()
   for v in "${volumes[@]}"; do args+=(--volume "$v"); done
   # TORCH_INDEX= : no index beyond the host's pip settings (the default is PyTorch's, which
-  # this machine does not reach).  --force-rm: a failed step leaves no container behind.
-  "${B[@]}" build --isolation chroot --pull=never --force-rm \
+  # this machine does not reach).  No --layers: every build runs every RUN line, as a first
+  # `docker build` does, while the RUN's cache mount keeps pip's cache and Horovod's wheel.
+  # A failed build's container is removed by cleanup (buildah's --force-rm needs --layers).
+  "${B[@]}" build --isolation chroot --pull=never \
     --build-arg "BASE_IMAGE=$BASE_REF" --build-arg TORCH_INDEX= "${args[@]}" \
     -f "$DOCKERFILE" -t "$TAG" "$ROOT" 2>&1 | tee "$buildlog"
   BUILD_S=$((SECONDS - start))
@@ -163,4 +165,7 @@ main() {
   "${B[@]}" images >&2
 }
 
-main "$@"
+# Sourced by tests/test_docker.py for its functions; run, it does the job.
+if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
+  main "$@"
+fi
