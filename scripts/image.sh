@@ -131,12 +131,19 @@ cleanup() {
 
 # TensorFlow's C++ logger ignores TF_CPP_MIN_LOG_LEVEL for its first lines; horovodrun prefixes
 # rank 0's lines with [0]<stdout>: (as in `make demo`).
-tidy() { grep -v -e '^I0000 ' -e 'absl::InitializeLog' -e 'cuda drivers' | sed -e 's/^\[0\]<stdout>://'; }
+# grep's status 1 only says that every line was noise.
+tidy() {
+  { grep -v -e '^I0000 ' -e 'absl::InitializeLog' -e 'cuda drivers' || [ $? = 1 ]; } |
+    sed -e 's/^\[0\]<stdout>://'
+}
 
 run_job() {
   local ctr start cmd=() demo=()
-  mapfile -d '' -t cmd < <("${B[@]}" inspect --type image --format '{{json .OCIv1.Config.Cmd}}' \
-    "$TAG" | python3 -c 'import json, sys; print("\0".join(json.load(sys.stdin)), end="\0")')
+  "${B[@]}" inspect --type image "$TAG" >"$STORE/logs/image.json"
+  mapfile -d '' -t cmd < <(python3 -c 'import json, sys
+print("\0".join(json.load(open(sys.argv[1]))["OCIv1"]["config"]["Cmd"]), end="\0")' \
+    "$STORE/logs/image.json")
+  [ "${#cmd[@]}" -gt 0 ] || die "$TAG has no CMD"
   read -ra demo <<<"$DEMO"
   ctr=$("${B[@]}" from --pull=false --name "$RUN_NAME" "$TAG")
   start=$SECONDS
