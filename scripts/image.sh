@@ -145,14 +145,16 @@ print("\0".join(json.load(open(sys.argv[1]))["OCIv1"]["config"]["Cmd"]), end="\0
     "$STORE/logs/image.json")
   [ "${#cmd[@]}" -gt 0 ] || die "$TAG has no CMD"
   read -ra demo <<<"$DEMO"
-  ctr=$("${B[@]}" from --pull=false --name "$RUN_NAME" "$TAG")
+  # docker run gives a container a hostname that /etc/hosts resolves; buildah run's hostname
+  # does not resolve unless asked, and then Gloo's hvd.init() dies of a segfault (seen here).
+  ctr=$("${B[@]}" from --pull=false --name "$RUN_NAME" --add-host "$RUN_NAME:127.0.0.1" "$TAG")
   start=$SECONDS
   log "CMD, in the container: ${cmd[*]}"
-  "${B[@]}" run --isolation chroot "$ctr" -- "${cmd[@]}" 2>&1 | tidy
+  "${B[@]}" run --isolation chroot --hostname "$RUN_NAME" "$ctr" -- "${cmd[@]}" 2>&1 | tidy
   CMD_S=$((SECONDS - start))
   start=$SECONDS
   log "demo, in the container: ${demo[*]}"
-  "${B[@]}" run --isolation chroot "$ctr" -- "${demo[@]}" 2>&1 | tidy
+  "${B[@]}" run --isolation chroot --hostname "$RUN_NAME" "$ctr" -- "${demo[@]}" 2>&1 | tidy
   DEMO_S=$((SECONDS - start))
 }
 
