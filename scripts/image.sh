@@ -79,8 +79,9 @@ make_standin() {
   rm -f "$tar"
 }
 
-# Sets BASE_REF: the image the build's FROM gets.
+# Sets BASE_REF, the image the build's FROM gets, and BASE_S, the seconds spent making it.
 pick_base() {
+  BASE_S=0
   local default
   default=$(sed -n 's/^ARG BASE_IMAGE=//p' "$DOCKERFILE")
   [ -n "$default" ] || die "$DOCKERFILE has no ARG BASE_IMAGE=<default>"
@@ -94,7 +95,9 @@ pick_base() {
   else
     log "cannot pull $BASE_REF (above): building on a Debian stand-in instead," \
       "see docker/README.md for what differs"
+    local start=$SECONDS
     have_image "$STANDIN" || make_standin "$BASE_REF"
+    BASE_S=$((SECONDS - start))
     BASE_REF=$STANDIN
     log "base: $STANDIN"
   fi
@@ -169,7 +172,8 @@ main() {
   cleanup
   trap - EXIT
   [ -z "$("${B[@]}" containers --quiet)" ] || die "containers are left in $STORE/storage"
-  log "build ${BUILD_S}s (Horovod wheel ${WHEEL}), CMD ${CMD_S}s, demo ${DEMO_S}s"
+  log "times: base ${BASE_S}s, build ${BUILD_S}s (Horovod wheel ${WHEEL}), CMD ${CMD_S}s," \
+    "demo ${DEMO_S}s"
   log "store: $STORE ($(du -sh "$STORE" | cut -f1)); images:"
   "${B[@]}" images >&2
 }
