@@ -106,10 +106,12 @@ pick_base() {
 build() {
   local sources=$STORE/sources buildlog=$STORE/logs/build.log start=$SECONDS
   mkdir -p "$sources" "$STORE/logs"
-  mapfile -t volumes < <(python3 "$ROOT/scripts/host_sources.py" "$sources")
-  log "package sources given to the build (read-only): ${volumes[*]}"
+  # Through a file: a failure inside <(...) would not stop the script.
+  python3 "$ROOT/scripts/host_sources.py" "$sources" >"$sources/volumes"
+  mapfile -t VOLUMES <"$sources/volumes"
+  log "package sources given to the build (read-only): ${VOLUMES[*]}"
   local args=()
-  for v in "${volumes[@]}"; do args+=(--volume "$v"); done
+  for v in "${VOLUMES[@]}"; do args+=(--volume "$v"); done
   # TORCH_INDEX= : no index beyond the host's pip settings (the default is PyTorch's, which
   # this machine does not reach).  No --layers: every build runs every RUN line, as a first
   # `docker build` does, while the RUN's cache mount keeps pip's cache and Horovod's wheel.
@@ -125,6 +127,30 @@ build() {
   else
     die "the build log ($buildlog) says neither how Horovod was installed"
   fi
+}
+
+# buildah (1.28) leaves in the image an empty file or directory at each --volume target the
+# base did not have, where `docker build` leaves nothing.  Check that they are empty, so that
+# nothing of the host's sources stays in the image, and list them (in LEFT).
+check_mount_points() {
+  local base_ctr img_ctr base img target
+  base_ctr=$("${B[@]}" from --pull=false --name hvd_gqsgd-base-check "$BASE_REF")
+  img_ctr=$("${B[@]}" from --pull=false --name hvd_gqsgd-image-check "$TAG")
+  base=$("${B[@]}" mount "$base_ctr")
+  img=$("${B[@]}" mount "$img_ctr")
+  LEFT=()
+  for v in "${VOLUMES[@]}"; do
+    target=${v#*:}
+    target=${target%:ro}
+    [ ! -e "$base$target" ] || continue
+    if [ -d "$img$target" ] && [ -n "$(ls -A "$img$target")" ] ||
+      { [ -f "$img$target" ] && [ -s "$img$target" ]; }; then
+      die "the build left host content in the image at $target"
+    fi
+    [ ! -e "$img$target" ] || LEFT+=("$target")
+  done
+  "${B[@]}" umount "$base_ctr" "$img_ctr" >/dev/null
+  "${B[@]}" rm "$base_ctr" "$img_ctr" >/dev/null
 }
 
 cleanup() {
@@ -168,12 +194,15 @@ main() {
   cleanup
   pick_base
   build
+  check_mount_points
   run_job
   cleanup
   trap - EXIT
   [ -z "$("${B[@]}" containers --quiet)" ] || die "containers are left in $STORE/storage"
   log "times: base ${BASE_S}s, build ${BUILD_S}s (Horovod wheel ${WHEEL}), CMD ${CMD_S}s," \
     "demo ${DEMO_S}s"
+  [ "${#LEFT[@]}" = 0 ] ||
+    log "empty mount points the build's --volume left in the image: ${LEFT[*]}"
   log "store: $STORE ($(du -sh "$STORE" | cut -f1)); images:"
   "${B[@]}" images >&2
 }
