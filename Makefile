@@ -41,9 +41,9 @@ convergence: setup
 
 # The bundled image, built and run for real (root; docker/README.md): buildah builds
 # docker/Dockerfile as `docker build` would, then runs its CMD and IMAGE_DEMO inside it, as
-# `docker run --rm hvd_gqsgd $(IMAGE_DEMO)` would.  The first build compiles Horovod
-# (about 20 minutes here); later ones reuse the wheel from the build cache.  Not part of
-# `make test`.  Everything it keeps is in IMAGE_STORE; `make image-clean` removes it.
+# `docker run --rm hvd_gqsgd $(IMAGE_DEMO)` would.  The first run compiles Horovod in the
+# image (14 minutes here); later ones reuse the wheel from the build cache (6 minutes).  Not
+# part of `make test`.  Everything it keeps is in IMAGE_STORE; `make image-clean` removes it.
 IMAGE_STORE ?= /var/tmp/hvd_gqsgd-image
 IMAGE_DEMO ?= horovodrun -np 2 -H localhost:2 --gloo python examples/torch_digits.py
 
