@@ -133,11 +133,11 @@ build() {
 
 # buildah (1.28) leaves in the image an empty file or directory at each --volume target the
 # base did not have, where `docker build` leaves nothing.  Check that they are empty, so that
-# nothing of the host's sources stays in the image, and list them (in LEFT).
+# nothing of the host's sources stays in the image, and list them (in LEFT).  $1: a fresh
+# container of the image (on vfs each container is a full copy, so the run's is reused).
 check_mount_points() {
-  local base_ctr img_ctr base img target
+  local img_ctr=$1 base_ctr base img target
   base_ctr=$("${B[@]}" from --pull=false --name hvd_gqsgd-base-check "$BASE_REF")
-  img_ctr=$("${B[@]}" from --pull=false --name hvd_gqsgd-image-check "$TAG")
   base=$("${B[@]}" mount "$base_ctr")
   img=$("${B[@]}" mount "$img_ctr")
   LEFT=()
@@ -152,7 +152,7 @@ check_mount_points() {
     [ ! -e "$img$target" ] || LEFT+=("$target")
   done
   "${B[@]}" umount "$base_ctr" "$img_ctr" >/dev/null
-  "${B[@]}" rm "$base_ctr" "$img_ctr" >/dev/null
+  "${B[@]}" rm "$base_ctr" >/dev/null
 }
 
 cleanup() {
@@ -179,6 +179,7 @@ print("\0".join(json.load(open(sys.argv[1]))["OCIv1"]["config"]["Cmd"]), end="\0
   # docker run gives a container a hostname that /etc/hosts resolves; buildah run's hostname
   # does not resolve unless asked, and then Gloo's hvd.init() dies of a segfault (seen here).
   ctr=$("${B[@]}" from --pull=false --name "$RUN_NAME" --add-host "$RUN_NAME:127.0.0.1" "$TAG")
+  check_mount_points "$ctr"
   start=$SECONDS
   log "CMD, in the container: ${cmd[*]}"
   "${B[@]}" run --isolation chroot --hostname "$RUN_NAME" "$ctr" -- "${cmd[@]}" 2>&1 | tidy
@@ -196,7 +197,6 @@ main() {
   cleanup
   pick_base
   build
-  check_mount_points
   run_job
   cleanup
   trap - EXIT
