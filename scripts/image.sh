@@ -22,7 +22,7 @@ DEMO=${IMAGE_DEMO:-horovodrun -np 2 -H localhost:2 --gloo python examples/torch_
 STANDIN=localhost/hvd_gqsgd-base:bookworm-debian
 RUN_NAME=hvd_gqsgd-run
 # buildah puts its temporary files and the Dockerfile's RUN --mount=type=cache directories
-# under TMPDIR (buildah-cache-0/); keep them in the store too.
+# under TMPDIR (buildah-cache/); keep them in the store too.
 export TMPDIR=$STORE/tmp
 B=(buildah --root "$STORE/storage" --runroot "$STORE/run" --storage-driver vfs)
 
@@ -161,8 +161,8 @@ cleanup() {
 }
 
 # TensorFlow's C++ logger ignores TF_CPP_MIN_LOG_LEVEL for its first lines; horovodrun prefixes
-# rank 0's lines with [0]<stdout>: (as in `make demo`).
-# grep's status 1 only says that every line was noise.
+# rank 0's lines with [0]<stdout>: (as in `make demo`).  grep's status 1 only says that every
+# line was noise.
 tidy() {
   { grep -v -e '^I0000 ' -e 'absl::InitializeLog' -e 'cuda drivers' || [ $? = 1 ]; } |
     sed -e 's/^\[0\]<stdout>://'
@@ -209,7 +209,7 @@ main() {
   "${B[@]}" images >&2
 }
 
-# Sourced by tests/test_docker.py for its functions; run, it does the job.
+# Sourced by tests/test_image.py for its functions; run, it does the job.
 if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
   main "$@"
 fi
