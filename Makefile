@@ -42,7 +42,7 @@ convergence: setup
 # The bundled image, built and run for real (root; docker/README.md): buildah builds
 # docker/Dockerfile as `docker build` would, then runs its CMD and IMAGE_DEMO inside it, as
 # `docker run --rm hvd_gqsgd $(IMAGE_DEMO)` would.  The first run compiles Horovod in the
-# image (14 minutes here); later ones reuse the wheel from the build cache (6 minutes).  Not
+# image (14 minutes here); later ones reuse the wheel from the build cache (5.5 minutes).  Not
 # part of `make test`.  Everything it keeps is in IMAGE_STORE; `make image-clean` removes it.
 IMAGE_STORE ?= /var/tmp/hvd_gqsgd-image
 IMAGE_DEMO ?= horovodrun -np 2 -H localhost:2 --gloo python examples/torch_digits.py
