@@ -260,7 +260,8 @@ def test_image_env_lets_root_run_mpirun(tmp_path):
 def test_setup_gpu_mode_refuses_cpu_torch():
     """HOROVOD_GPU_OPERATIONS=NCCL (docker/Dockerfile.gpu) on a CPU torch must stop with a
     clear message before the ~5 minute Horovod build, and leave the venv as it was."""
-    env = {**os.environ, "VENV": str(BIN.parent), "HOROVOD_GPU_OPERATIONS": "NCCL"}
+    mode = assigned_vars(setup_run(GPU))["HOROVOD_GPU_OPERATIONS"]
+    env = {**os.environ, "VENV": str(BIN.parent), "HOROVOD_GPU_OPERATIONS": mode}
     proc = subprocess.run(["bash", "scripts/setup_env.sh"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -283,3 +284,109 @@ def test_readme_docker_commands_name_real_files():
     assert runs and all(set(line.split()) & built_tags() for line in runs), runs
     examples = re.findall(r"examples/\S+\.py", section)
     assert examples and all((ROOT / e).is_file() for e in examples)
+
+
+# --- The two Dockerfiles and scripts/setup_env.sh must agree ------------------------------------
+
+SETUP = ROOT / "scripts" / "setup_env.sh"
+CPU, GPU = DOCKERFILES
+
+
+def setup_value(name: str) -> str:
+    """A plain `NAME=value` assignment at the top level of setup_env.sh."""
+    (value,) = re.findall(rf"^{name}=(\S+)$", SETUP.read_text(), re.M)
+    return value
+
+
+def setup_run(dockerfile: Path) -> str:
+    (run,) = [a for a in args_of(dockerfile, "RUN") if "scripts/setup_env.sh" in a]
+    return run
+
+
+def assigned_vars(run: str) -> dict[str, str]:
+    """Variables the setup RUN sets for setup_env.sh (`VAR=value cmd` and `export VAR=value`)."""
+    return dict(re.findall(r"(?:^|\s)([A-Z][A-Z0-9_]*)=(\"[^\"]*\"|\S*)", run.split("--mount")[1]))
+
+
+def test_dockerfiles_share_everything_but_the_base_and_gpu_settings():
+    """The GPU file is the CPU file plus CUDA: the same files copied to the same places, the
+    same environment and default command, and the same install step but for GPU variables."""
+    for keyword in ("WORKDIR", "COPY", "ENV", "CMD"):
+        assert args_of(CPU, keyword) == args_of(GPU, keyword), keyword
+    gpu_only = {"HOROVOD_GPU_OPERATIONS", "HOROVOD_BUILD_CUDA_CC_LIST"}
+    cpu_vars, gpu_vars = assigned_vars(setup_run(CPU)), assigned_vars(setup_run(GPU))
+    assert set(gpu_vars) - set(cpu_vars) == gpu_only and set(cpu_vars) <= set(gpu_vars)
+    assert {k: gpu_vars[k] for k in cpu_vars} == cpu_vars
+    strip = re.compile(r"\s+(?:" + "|".join(sorted(gpu_only)) + r")=\S+")
+    same = [strip.sub("", r).replace("hvd_gqsgd-gpu", "hvd_gqsgd-cpu").split()
+            for r in (setup_run(GPU), setup_run(CPU))]
+    assert same[0] == same[1], same
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_setup_run_sets_only_what_something_reads(dockerfile):
+    """Each variable the install step sets is read by setup_env.sh, or by the tools it runs:
+    pip (PIP_*) and Horovod's build (HOROVOD_*, which setup_env.sh leaves in the environment)."""
+    script = SETUP.read_text()
+    for name in assigned_vars(setup_run(dockerfile)):
+        read_here = re.search(rf"\$\{{?{name}\b", script)
+        passed_on = name.startswith(("PIP_", "HOROVOD_")) and not re.search(
+            rf"\b(?:unset|export) [^\n]*\b{name}=", script)
+        assert read_here or passed_on, f"{dockerfile.name} sets {name}, which nothing reads"
+
+
+def test_gpu_mode_is_the_one_setup_env_accepts():
+    """setup_env.sh accepts one GPU mode; Dockerfile.gpu must ask for that one, and
+    Dockerfile for none."""
+    accepted = re.findall(r'"\$GPU_OPS" != (\w+)', SETUP.read_text())
+    assert accepted == [assigned_vars(setup_run(GPU))["HOROVOD_GPU_OPERATIONS"]]
+    assert "HOROVOD_GPU_OPERATIONS" not in assigned_vars(setup_run(CPU))
+
+
+def build_args(dockerfile: Path) -> dict[str, str]:
+    return dict(a.partition("=")[::2] for a in args_of(dockerfile, "ARG"))
+
+
+def test_gpu_toolkit_and_torch_wheel_are_the_same_cuda():
+    """CUDA_IMAGE's toolkit compiles Horovod; TORCH_INDEX's torch must be built for it."""
+    args = build_args(GPU)
+    cuda = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-devel-ubuntu(\d+\.\d+)", args["CUDA_IMAGE"])
+    assert cuda, args["CUDA_IMAGE"]
+    assert args["TORCH_INDEX"] == f"https://download.pytorch.org/whl/cu{cuda[1]}{cuda[2]}"
+    assert f"CUDA {cuda[1]}.{cuda[2]} devel image (Ubuntu {cuda[3]}" in docker_section()
+    assert re.fullmatch(r"\d+(,\d+)*", args["CUDA_CC_LIST"]), args["CUDA_CC_LIST"]
+    assert f"`{args['CUDA_CC_LIST']}`" in docker_section()
+    assert build_args(CPU)["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_versions_in_comments_and_readme_are_setup_env_versions(dockerfile):
+    versions = {"Horovod": setup_value("HOROVOD_VERSION"), "torch": setup_value("TORCH_VERSION"),
+                "tensorflow-cpu": setup_value("TF_VERSION")}
+    for text in (dockerfile.read_text(), docker_section()):
+        for name, version in versions.items():
+            seen = set(re.findall(rf"\b{name} (\d+\.\d+\.\d+)", text))
+            assert seen <= {version}, (dockerfile.name, name, seen, version)
+    assert set(re.findall(r"\btorch (\d+\.\d+\.\d+)", dockerfile.read_text())) == {
+        versions["torch"]}
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_build_cache_holds_setup_env_wheel_cache(dockerfile):
+    """The RUN's cache mount must be where setup_env.sh keeps Horovod's wheel for root, or
+    every rebuild compiles Horovod again."""
+    (target,) = re.findall(r"--mount=type=cache,\S*target=(\S+)", setup_run(dockerfile))
+    (line,) = re.findall(r"^CACHE_DIR=.*$", SETUP.read_text(), re.M)
+    out = subprocess.run(["bash", "-c", f"{line}; printf %s \"$CACHE_DIR\""],
+                         env={"HOME": "/root", "PATH": os.environ["PATH"]},
+                         capture_output=True, text=True, check=True).stdout
+    assert out == f"{target}/hvd_gqsgd", (target, out)
+
+
+def test_cpu_base_is_a_build_argument():
+    """make image swaps the base in with --build-arg BASE_IMAGE=; a user's plain `docker build`
+    gets the official Python image."""
+    assert build_args(CPU)["BASE_IMAGE"] == "python:3.11-slim-bookworm"
+    assert args_of(CPU, "FROM") == ["${BASE_IMAGE}"]
+    assert args_of(GPU, "FROM") == ["${CUDA_IMAGE}"]
+    assert "`python:3.11-slim-bookworm`" in docker_section()
