@@ -229,6 +229,10 @@ def main() -> None:
     args = parse_args()
     variants = parse_variants(args.variants)
     hvd.init()
+    if hvd.size() < 2:  # one process sends nothing: there would be nothing to compare
+        raise SystemExit("examples/char_lm.py compares compressors across ranks but runs as "
+                         "one process; start 2 or more: "
+                         "horovodrun -np 2 -H localhost:2 python examples/char_lm.py")
     torch.set_num_threads(1)
     if args.global_batch % hvd.size():
         raise SystemExit(f"--global-batch {args.global_batch} does not split evenly over "

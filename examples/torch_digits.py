@@ -185,6 +185,10 @@ def main() -> None:
     args = parser.parse_args()
     variants = parse_variants(args.variants or f"none,gq{args.bits}")
     hvd.init()
+    if hvd.size() < 2:  # one process sends nothing: there would be nothing to compare
+        raise SystemExit("examples/torch_digits.py compares compressors across ranks but runs as "
+                         "one process; start 2 or more: "
+                         "horovodrun -np 2 -H localhost:2 python examples/torch_digits.py")
     torch.set_num_threads(1)
     data = shard(hvd.rank(), hvd.size())
     jobs = [(seed, v) for seed in seeds_of(args.seeds) for v in variants]
