@@ -359,7 +359,7 @@ def _decoder(state: GlobalQSGDState, flat: torch.Tensor, steps: torch.Tensor,
     times ``steps`` into its slice of ``flat`` (the bucket's buffer itself for fp32/fp64).
     Chunks write disjoint slices, so their callbacks may run concurrently.  Returns when the
     chunk arrived and how long decoding it took (for the stats)."""
-    bits, block = state.settings.bits, state.settings.scale_block
+    bits = state.settings.bits
 
     def decode(future: torch.futures.Future) -> tuple[float, float]:
         arrived = time.perf_counter()
@@ -367,8 +367,8 @@ def _decoder(state: GlobalQSGDState, flat: torch.Tensor, steps: torch.Tensor,
         scale = steps.to(flat.dtype)  # as the kernels do: lane * float(step), rounded once
         out = flat[c.lo:c.hi]
         if fused:
-            kernels.Summed(summed.numpy(), bits).unpack_bucket(
-                out.numpy(), layout.numels, layout.first, scale.numpy(), block, start=c.lo)
+            kernels.Summed(summed.numpy(), bits).unpack_bucket(out.numpy(), layout.counts,
+                                                               scale.numpy(), start=c.lo)
         else:
             sums = core.unpack(_OPS, summed, bits, c.hi - c.lo)
             per_element = scale[layout.segment_of(flat.device)[c.lo:c.hi]]

@@ -89,25 +89,21 @@ class Backend(core.TensorOps, Protocol):
     def allgather_async(self, tensor: Any, name: str, process_set: Any) -> Any: ...  # COLL.
     def wait(self, handle: Any) -> Any: ...
     def concat_words(self, words: Sequence[Any]) -> Any: ...  # int64 chunks, in order
-    # once per bucket; a backend with rescales_buckets gets a list of the chunks' words when
-    # the bucket was sent in several, so that it can decode each chunk as it arrives
+    # once per bucket; a list of the chunks' words when the bucket was sent in several, so
+    # that a backend can decode each chunk as it arrives
     def decoder(self, words: Any, bits: int, total: int) -> Any: ...
     # one tensor: lane sums at [offset, offset + numel) times scale, in like's dtype and shape;
     # block > 0: scale is a vector, element i of the tensor takes scale[i // block]
+    # (QSGDAllgather and QPRSGD; the engine decodes whole buckets)
     def decode(self, state: Any, offset: int, like: Any, scale: Any, block: int) -> Any: ...
-    # True: instead of probe_factor + decode per tensor, the engine calls rescale_bucket once
-    # per bucket (first probe; layout: (numel, first segment) per tensor) and take per tensor
-    rescales_buckets: bool
-    def rescale_bucket(self, state: Any, steps: Any, layout: Sequence[tuple[int, int]],
-                       block: int, likes: Sequence[Any], reduced_probe: Any,
-                       world_size: int) -> Any: ...
-    def take(self, rescaled: Any, offset: int, like: Any) -> Any: ...
+    # once per bucket, at its first decompress (with that tensor's probe): the whole bucket
+    # decoded (flat, or two-stage's messages), every segment (counts: elements per scale
+    # segment) times its step times the op's factor; then take per tensor, with its own probe
+    def rescale_bucket(self, state: Any, steps: Any, counts: Sequence[int],
+                       likes: Sequence[Any], reduced_probe: Any, world_size: int) -> Any: ...
+    def take(self, rescaled: Any, offset: int, like: Any, reduced_probe: Any,
+             world_size: int) -> Any: ...
     def stable_names(self) -> bool: ...  # True when names may repeat every round (eager)
-    # two-stage (hvd_gqsgd.two_stage.BACKEND_METHODS) decodes through rescale_bucket on
-    # backends with rescales_buckets, else one tensor at a time: its parts p0..p1 of the
-    # messages' layout, times the op's factor
-    def decode_parts(self, state: Any, offset: int, like: Any, p0: int, p1: int,
-                     factor: float) -> Any: ...
     # two-stage: decoder state of the allgathered messages (steps1: stage-1 steps s / L1)
     def messages(self, gathered: Any, layout: core.MessageLayout, steps1: Any) -> Any: ...
 
@@ -189,7 +185,7 @@ class Bucket:
     steps: Any = None  # value of one summed code per segment (s / L), float64 on the device
     handles: list[Any] = field(default_factory=list)  # pending Sum allreduces, one per chunk
     decoded: Any = None  # Backend.decoder() state, once the Sum allreduce is waited for
-    rescaled: Any = None  # Backend.rescale_bucket() output (backends with rescales_buckets)
+    rescaled: Any = None  # Backend.rescale_bucket() output, once the first tensor is taken
     remaining: int = 0
     total: int = 0
     name: str = ""  # prefix of the bucket's collectives' names
@@ -307,24 +303,16 @@ class Engine:
     # ----------------------------------------------------------------- internals
 
     def _rescale(self, bucket: Bucket, ctx: Entry, reduced_probe: Any) -> Any:
-        """``ctx``'s lane sums times its segments' steps times the op's factor (the probe)."""
-        b, block = self.backend, self.settings.scale_block
-        if bucket.layout is not None and not b.rescales_buckets:  # two-stage: steps per part
-            first = bucket.layout.first
-            return b.decode_parts(bucket.decoded, ctx.offset, ctx.tensor, first[ctx.index],
-                                  first[ctx.stop],
-                                  b.probe_factor(reduced_probe, bucket.world_size))
-        if b.rescales_buckets:
-            # One host call per bucket (TensorFlow): every tensor takes the factor of the
-            # bucket's first probe, which one (grouped) allreduce call gives all its tensors.
-            if bucket.rescaled is None:
-                bucket.rescaled = b.rescale_bucket(
-                    bucket.decoded, bucket.steps, [(e.numel, e.index) for e in bucket.entries],
-                    block, [e.tensor for e in bucket.entries], reduced_probe, bucket.world_size)
-            return b.take(bucket.rescaled, ctx.offset, ctx.tensor)
-        factor = b.probe_factor(reduced_probe, bucket.world_size)
-        steps = bucket.steps[ctx.index:ctx.stop] if block else bucket.steps[ctx.index]
-        return b.decode(bucket.decoded, ctx.offset, ctx.tensor, steps * factor, block)
+        """``ctx``'s lane sums times its segments' steps times the op's factor (the probe):
+        the bucket is rescaled whole at its first tensor (one backend call, where a call per
+        tensor cost a deep model's many small tensors more than their allreduce), then each
+        tensor is a slice of it."""
+        b = self.backend
+        if bucket.rescaled is None:
+            bucket.rescaled = b.rescale_bucket(
+                bucket.decoded, bucket.steps, bucket.counts, [e.tensor for e in bucket.entries],
+                reduced_probe, bucket.world_size)
+        return b.take(bucket.rescaled, ctx.offset, ctx.tensor, reduced_probe, bucket.world_size)
 
     def _full(self, r: _Round) -> bool:
         """Whether the queue is a bucket to seal now: ``bucket_bytes`` reached.  Decided from
@@ -347,10 +335,7 @@ class Engine:
             with r.timing("codes_wait_s"):
                 chunks = [b.wait(h) for h in bucket.handles]
             with r.timing("quantize_s"):
-                if len(chunks) == 1:
-                    words = chunks[0]
-                else:  # see Backend.decoder
-                    words = chunks if b.rescales_buckets else b.concat_words(chunks)
+                words = chunks[0] if len(chunks) == 1 else chunks  # see Backend.decoder
                 bucket.decoded = b.decoder(words, self.settings.bits, bucket.total)
         bucket.handles = []
 

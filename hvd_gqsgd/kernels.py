@@ -260,9 +260,10 @@ if numba is not None:
                     out[t] = numba.int64(field) - half
 
     def _scale_items(codes, item_lane, item_out, item_count, item_scale, out):
-        # Two-stage messages (see Messages): item i is item_count[i] consecutive codes with
-        # one scale, from codes[item_lane[i]] to out[item_out[i]]; the product is formed in
-        # float64 and rounded once on the store, as in _scale_lanes.
+        # Item i is item_count[i] consecutive codes with one scale, from codes[item_lane[i]]
+        # to out[item_out[i]] (a bucket's segments: Summed.unpack_bucket, in place where
+        # codes is out; two-stage messages: Messages); the product is formed in float64 and
+        # rounded once on the store, as in _scale_lanes.
         for i in numba.prange(item_lane.size):
             lane, o = numba.uint64(item_lane[i]), numba.uint64(item_out[i])
             scale = numba.float64(item_scale[i])
@@ -535,6 +536,24 @@ def _work_items(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return seg, lo, hi
 
 
+def _segment_items(counts: Sequence[int], lo: int, hi: int
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Work items of at most BLOCK elements inside one scale segment, for the bucket
+    elements ``lo .. hi`` of segments of ``counts`` elements: each item's first element
+    (counted from ``lo``), its element count, and its segment."""
+    ends = np.cumsum(np.asarray(counts, dtype=np.int64))
+    a = np.clip(ends - np.asarray(counts, dtype=np.int64), lo, hi)
+    b = np.clip(ends, lo, hi)
+    segment = np.flatnonzero(b > a)
+    a, b = a[segment], b[segment]
+    pieces = -(-(b - a) // BLOCK)
+    first = np.cumsum(pieces) - pieces
+    segment = np.repeat(segment, pieces)
+    item = np.arange(segment.size, dtype=np.int64) - np.repeat(first, pieces)
+    begin = np.repeat(a, pieces) + item * BLOCK
+    return begin - lo, np.minimum(BLOCK, np.repeat(b, pieces) - begin), segment
+
+
 def segment_norms(x: np.ndarray, counts: np.ndarray, norm: str) -> np.ndarray:
     """Per-tensor max |x| (``norm="max"``) or L2 norm of a flat bucket, float64; ``inf`` for
     a tensor holding any NaN/Inf (so it wins the MAX exchange on every rank)."""
@@ -715,36 +734,30 @@ class Summed:
             _run(_to_lanes, words.size * (64 // bits), words, _flip(bits), _offset(bits))
             self.lanes = words.view(lane)
 
-    def unpack_bucket(self, out: np.ndarray, numels: Sequence[int], first: Sequence[int],
-                      scales: np.ndarray, block: int, start: int = 0) -> None:
-        """Every tensor of the bucket into the flat ``out``: tensor ``i`` holds the next
-        ``numels[i]`` elements and its scale segments start at ``first[i]``
-        (:func:`hvd_gqsgd.core.segments`); ``scales`` has one entry per segment.
+    def unpack_bucket(self, out: np.ndarray, counts: Sequence[int], scales: np.ndarray,
+                      start: int = 0) -> None:
+        """Every scale segment of the bucket into the flat ``out``, in one kernel call:
+        segment ``i`` holds the next ``counts[i]`` elements (:func:`hvd_gqsgd.core.segments`)
+        and takes ``scales[i]`` (in ``out``'s dtype).
 
-        ``start > 0``: these words are a chunk (:func:`hvd_gqsgd.core.chunk_plan`) whose first
-        lane is bucket element ``start``, and ``out`` receives bucket elements ``start ..
-        start + out.size``.  A tensor cut by the chunk's start begins mid scale block: its
-        elements up to the next block boundary take one scale, the rest whole blocks."""
-        stop, offset = start + out.size, 0
-        for numel, lo in zip(numels, first):
-            a, b = max(start, offset), min(stop, offset + numel)  # bucket elements, this tensor
-            if a < b:
-                p = a - offset  # the tensor's first element in range
-                if not block:
-                    self.unpack_scale(a - start, out[a - start:b - start], scales[lo])
-                else:
-                    head = min(b - a, -p % block)  # up to the next block boundary
-                    if head:
-                        self.unpack_scale(a - start, out[a - start:a - start + head],
-                                          scales[lo + p // block])
-                    a, p = a + head, p + head
-                    if a < b:
-                        self.unpack_scale(a - start, out[a - start:b - start],
-                                          scales[lo + p // block:lo + -(-(b - offset) // block)],
-                                          block)
-            offset += numel
-            if offset >= stop:
-                break
+        ``start > 0``: these words are a chunk (:func:`hvd_gqsgd.core.chunk_plan`, cut at a
+        word boundary) whose first lane is bucket element ``start``, and ``out`` receives
+        bucket elements ``start .. start + out.size``."""
+        if not out.size:
+            return
+        lane, count, segment = _segment_items(counts, start, start + out.size)
+        item_scale = np.asarray(scales, dtype=out.dtype)[segment]
+        if self.lanes is not None:
+            _run(_scale_items, out.size, self.lanes, lane, lane, count, item_scale, out)
+            return
+        if start % (64 // self.bits):
+            raise ValueError(f"a chunk starts at a word boundary, not at element {start}")
+        # Other widths: the lane sums first (exact in out's dtype: below 2**24 up to 25 bits),
+        # then every segment times its scale, in place
+        exact = out.dtype == np.float64 or self.bits <= 25
+        sums = out if exact else host_array(out.size, np.float64)
+        _run(_unpack_fields, out.size, self.words, self.bits, _offset(self.bits), sums)
+        _run(_scale_items, out.size, sums, lane, lane, count, item_scale, out)
 
     def unpack_scale(self, start: int, out: np.ndarray, scales: np.ndarray | float,
                      block: int = 0) -> None:

@@ -99,8 +99,6 @@ class TensorFlowBackend:
     # A bucket is rescaled in one host call (one per-tensor call cost ~40 us, more than a
     # small gradient's whole reduction).  Its tensors take the first probe's factor: in TF a
     # bucket of several tensors is always one grouped_allreduce call, so one op and factor.
-    rescales_buckets = True
-
     def __init__(self, seed: int | None) -> None:
         self._keys = core.NoiseKeys(seed)  # one key per bucket, drawn when the op runs
         # In a graph: the chunks of the bucket being traced, and of each traced chunk's Sum
@@ -302,19 +300,20 @@ class TensorFlowBackend:
             scale = tf.repeat(scale, block)[:numel]
         return tf.reshape(tf.cast(part * scale, like.dtype), like.shape)
 
-    def rescale_bucket(self, state: Any, steps: Any, layout: Sequence[tuple[int, int]],
-                       block: int, likes: Sequence[Any], reduced_probe: Any,
-                       world_size: int) -> Any:
+    def rescale_bucket(self, state: Any, steps: Any, counts: Sequence[int],
+                       likes: Sequence[Any], reduced_probe: Any, world_size: int) -> Any:
         compute = tf.float64 if any(t.dtype == tf.float64 for t in likes) else tf.float32
         if isinstance(state, _TwoStage):
             return state.rescale(compute, reduced_probe, world_size)
         if isinstance(state, _Words):
-            return state.rescale(steps, layout, block, compute, reduced_probe, world_size)
+            return state.rescale(steps, counts, compute, reduced_probe, world_size)
         factor = self.probe_factor(reduced_probe, world_size)
-        counts, _ = core.segments([numel for numel, _ in layout], block)
         return tf.cast(state, compute) * tf.repeat(tf.cast(steps * factor, compute), counts)
 
-    def take(self, rescaled: Any, offset: int, like: Any) -> Any:
+    def take(self, rescaled: Any, offset: int, like: Any, reduced_probe: Any,
+             world_size: int) -> Any:
+        # Every tensor of the bucket takes the factor of its first probe: one (grouped)
+        # allreduce call, DistributedGradientTape's or Keras', gives all of them one op.
         part = rescaled[offset:offset + _static_numel(like)]
         return tf.reshape(tf.cast(part, like.dtype), like.shape)
 
@@ -448,17 +447,15 @@ class _Words:
 
         return _host(run, [words[first:stop], scale], compute, [numel])
 
-    def rescale(self, steps: Any, layout: Sequence[tuple[int, int]], block: int, compute: Any,
-                reduced_probe: Any, world_size: int) -> Any:
+    def rescale(self, steps: Any, counts: Sequence[int], compute: Any, reduced_probe: Any,
+                world_size: int) -> Any:
         """The whole bucket, flat: the probe's check and factor, then each tensor's lane sums
         times its segments' steps times the factor.
 
         One chunk (or eagerly): one host call.  Several chunks in a graph: one host call per
         chunk, each runs as soon as its chunk's allreduce is done and writes its slice of one
         output buffer, so unpacking overlaps the later chunks' time on the wire."""
-        out_dtype, total = compute.as_numpy_dtype, sum(numel for numel, _ in layout)
-        numels, firsts = [numel for numel, _ in layout], [first for _, first in layout]
-        bits = self.bits
+        out_dtype, total, bits = compute.as_numpy_dtype, sum(counts), self.bits
 
         def scales_of(step: np.ndarray, probe: np.ndarray) -> np.ndarray:
             return step * core.check_probe(probe.tolist(), world_size)
@@ -468,7 +465,7 @@ class _Words:
             # nothing else), so the kernels may rewrite them in place, saving a copy of a
             # quarter of the gradient; an eager tensor's view is read-only and is copied.
             summed = kernels.Summed(words if words.flags.writeable else np.array(words), bits)
-            summed.unpack_bucket(out, numels, firsts, scales, block, start=start)
+            summed.unpack_bucket(out, counts, scales, start=start)
 
         if len(self.chunks) == 1 or tf.executing_eagerly():
             words = self.chunks[0] if len(self.chunks) == 1 else tf.concat(self.chunks, 0)

@@ -7,6 +7,7 @@ local (non-collective) half of the torch backend, which the Horovod adapter
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 
 from . import core, kernels
 
-__all__ = ["TorchLocal", "TorchOps", "TwoStageSums", "host_empty"]
+__all__ = ["Rescaled", "TorchLocal", "TorchOps", "TwoStageSums", "host_empty"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -77,16 +78,21 @@ class TwoStageSums:
     codes: torch.Tensor | None = None  # generic path: int64, one per bucket element
 
 
+@dataclass
+class Rescaled:
+    """A decoded bucket (:meth:`TorchLocal.rescale_bucket`), times the op's factor that its
+    first tensor's probe gave: each tensor's flat view of it, by the tensor's offset."""
+
+    parts: dict[int, torch.Tensor]
+    factor: float
+
+
 class TorchLocal(TorchOps):
     """The local half of :class:`hvd_gqsgd.engine.Backend` for torch tensors (CPU or CUDA):
     everything but the collectives.
 
     ``keys``: the rank's noise-key stream for the fused kernels (default
     ``core.NoiseKeys(seed)``; the DDP hook passes its checkpointed one)."""
-
-    # Each tensor is rescaled with its own probe: a torch bucket may hold tensors that
-    # separate allreduce_async calls reduce with different ops.
-    rescales_buckets = False
 
     def __init__(self, seed: int | None, keys: Any = None) -> None:
         self._seed = seed
@@ -150,7 +156,9 @@ class TorchLocal(TorchOps):
         dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
         if len(tensors) == 1:  # no copy when already flat and in dtype
             return tensors[0].detach().reshape(-1).to(dtype)
-        return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
+        with torch.no_grad():  # one call per tensor (a deep model has hundreds)
+            flat = torch.cat([t.reshape(-1) for t in tensors])  # promotes mixed dtypes
+        return flat if flat.dtype == dtype else flat.to(dtype)
 
     def encode(self, flat: Any, mult: Any, counts: Sequence[int], n_levels: int, bits: int,
                rank: int, after: Any = None, pad_to: int | None = None) -> Any:
@@ -175,6 +183,8 @@ class TorchLocal(TorchOps):
         return 0
 
     def decoder(self, words: Any, bits: int, total: int) -> Any:
+        if isinstance(words, list):  # a bucket sent in chunks: decoded once all are back
+            words = self.concat_words(words)
         if self._fused(words):
             return kernels.Summed(words.numpy(), bits)  # words are ours: rewritten in place
         return core.unpack(self, words, bits, total)
@@ -197,6 +207,42 @@ class TorchLocal(TorchOps):
         else:
             out = out * scale
         return out.to(like.dtype).view(like.shape)
+
+    def rescale_bucket(self, state: Any, steps: Any, counts: Sequence[int],
+                       likes: Sequence[Any], reduced_probe: Any, world_size: int) -> Rescaled:
+        """The whole bucket, flat, in one call: every segment's lane sums times its step
+        times the factor of this (the bucket's first) probe, in float64 when one of the
+        bucket's tensors is float64, else float32."""
+        factor = self.probe_factor(reduced_probe, world_size)
+        wide = any(t.dtype == torch.float64 for t in likes)
+        compute, host = (torch.float64, np.float64) if wide else (torch.float32, np.float32)
+        total, device = sum(counts), likes[0].device
+        if isinstance(state, TwoStageSums):
+            out = (host_empty(total, host) if state.fused is not None
+                   else torch.empty(total, dtype=compute, device=device))
+            self.decode_into(state, out, factor)
+        elif isinstance(state, kernels.Summed):
+            out = host_empty(total, host)
+            state.unpack_bucket(out.numpy(), counts, (steps * factor).numpy())
+        else:
+            per_element = torch.repeat_interleave((steps * factor).to(compute),
+                                                  torch.tensor(list(counts), device=device),
+                                                  output_size=total)
+            out = state[:total].to(compute) * per_element
+        numels = [t.numel() for t in likes]  # every tensor's view, cut in one call
+        return Rescaled(dict(zip(itertools.accumulate(numels, initial=0), out.split(numels))),
+                        factor)
+
+    def take(self, rescaled: Rescaled, offset: int, like: Any, reduced_probe: Any,
+             world_size: int) -> Any:
+        """``like``'s elements of the decoded bucket: a view in its shape (a copy when its
+        dtype differs), checked against its own probe; one that another op reduced than the
+        bucket's first tensor is rescaled by the ratio of their factors."""
+        factor = self.probe_factor(reduced_probe, world_size)
+        part = rescaled.parts[offset].view_as(like)
+        if factor != rescaled.factor:
+            part = part * (factor / rescaled.factor)
+        return part if part.dtype == like.dtype else part.to(like.dtype)
 
     def _fused(self, t: Any) -> bool:
         """The numba kernels serve CPU tensors; CUDA (and CPU without numba) use core.encode."""
@@ -280,19 +326,6 @@ class TorchLocal(TorchOps):
         part_max = gathered[slots].to(torch.float64)
         return TwoStageSums(layout, core.stage_two_steps(part_max, steps1[segments],
                                                          layout.bits), codes=every[position])
-
-    def decode_parts(self, state: TwoStageSums, offset: int, like: Any, p0: int, p1: int,
-                     factor: float) -> Any:
-        """One tensor of a two-stage bucket: elements ``offset ..`` (parts ``p0 .. p1``), each
-        code times its part's step times the op's ``factor``, in ``like``'s dtype and shape."""
-        compute = torch.float64 if like.dtype == torch.float64 else torch.float32
-        if state.fused is not None:  # allocated in its final shape, as in decode
-            out = host_empty(tuple(like.shape),
-                             np.float64 if compute == torch.float64 else np.float32)
-        else:
-            out = torch.empty(like.shape, dtype=compute, device=like.device)
-        self.decode_into(state, out.view(-1), factor, p0, p1, offset)
-        return out.to(like.dtype)
 
     def decode_into(self, state: TwoStageSums, out: Any, factor: float, p0: int = 0,
                     p1: int | None = None, offset: int = 0) -> None:

@@ -172,19 +172,23 @@ def test_threaded_kernels_match_generic_path(monkeypatch):
     np.testing.assert_array_equal(out, core.unpack(OPS, words, bits, flat.size))
 
 
+@pytest.mark.parametrize("bits", [3, 4, 8, 16, 30])
 @pytest.mark.parametrize("block", [0, 5, 64])
-def test_unpack_bucket_gives_each_tensor_its_own_segments(block):
-    """A bucket of tensors (sizes that start and end mid-word) decoded into one flat output:
-    tensor i's elements take the scales of its own segments (core.segments)."""
-    bits, numels = 8, [13, 1, 200, 7]
-    counts, first = core.segments(numels, block)
-    codes = np.random.default_rng(block).integers(-63, 64, sum(numels))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_unpack_bucket_gives_each_tensor_its_own_segments(bits, block, dtype):
+    """A bucket of tensors (sizes that start and end mid-word, one longer than a work item)
+    decoded into one flat output in one call: tensor i's elements take the scales of its own
+    segments (core.segments), each product rounded once, as lane * float(scale)."""
+    numels = [13, 1, 200, 7, kernels.BLOCK + 3000]
+    counts, _ = core.segments(numels, block)
+    top = (1 << (bits - 1)) - 1
+    codes = np.random.default_rng(block + bits).integers(-top, top + 1, sum(numels))
     words = core.pack(OPS, codes, bits)
     scales = np.random.default_rng(1).uniform(0.5, 2.0, len(counts))
-    out = np.empty(sum(numels), np.float32)
-    kernels.Summed(words.copy(), bits).unpack_bucket(out, numels, first, scales, block)
-    want = codes * np.repeat(scales.astype(np.float32), counts).astype(np.float64)
-    np.testing.assert_array_equal(out, want.astype(np.float32))
+    out = np.full(sum(numels), np.nan, dtype)
+    kernels.Summed(words.copy(), bits).unpack_bucket(out, counts, scales)
+    want = codes * np.repeat(scales.astype(dtype), counts).astype(np.float64)
+    np.testing.assert_array_equal(out, want.astype(dtype))
 
 
 @pytest.mark.parametrize("bits", [4, 8, 16])
@@ -194,21 +198,20 @@ def test_unpack_bucket_chunk_by_chunk_matches_whole_bucket(bits, block, chunk_by
     """Chunks (core.chunk_plan: cut at word boundaries, so mid-tensor and mid scale block)
     decoded one at a time into their slices of the output give the whole bucket's decode."""
     numels = [13, 1, 200, 7, 70]
-    counts, first = core.segments(numels, block)
+    counts, _ = core.segments(numels, block)
     top = (1 << (bits - 1)) - 1
     codes = np.random.default_rng(bits + block).integers(-top, top + 1, sum(numels))
     words = core.pack(OPS, codes, bits)
     scales = np.random.default_rng(2).uniform(0.5, 2.0, len(counts))
     want = np.empty(sum(numels), np.float32)
-    kernels.Summed(words.copy(), bits).unpack_bucket(want, numels, first, scales, block)
+    kernels.Summed(words.copy(), bits).unpack_bucket(want, counts, scales)
     plan = core.chunk_plan(counts, bits, chunk_bytes)
     assert len(plan) > 2
     lanes = core.lanes_per_word(bits)
     out = np.full(sum(numels), np.nan, np.float32)
     for c in plan:
         part = words[c.lo // lanes:-(-c.hi // lanes)].copy()
-        kernels.Summed(part, bits).unpack_bucket(out[c.lo:c.hi], numels, first, scales, block,
-                                                 start=c.lo)
+        kernels.Summed(part, bits).unpack_bucket(out[c.lo:c.hi], counts, scales, start=c.lo)
     np.testing.assert_array_equal(out, want)
 
 

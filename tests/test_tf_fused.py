@@ -38,8 +38,8 @@ def _round_trip(ops, x, other_words, bits, block, level):
     steps = core.step_sizes(ops, scales, level)
     state = ops.decoder(words + other_words, bits, numel)
     probe = tf.constant(AVERAGE, tf.float64)
-    rescaled = ops.rescale_bucket(state, steps, [(numel, 0)], block, [x], probe, 2)
-    return norms, words, ops.take(rescaled, 0, x)
+    rescaled = ops.rescale_bucket(state, steps, counts, [x], probe, 2)
+    return norms, words, ops.take(rescaled, 0, x, probe, 2)
 
 
 def _oracle(x64, keys, other_words, bits, block, level, flat_dtype, graph):
@@ -100,7 +100,7 @@ def test_rescale_a_bucket_of_several_tensors(path, block, monkeypatch):
     ops, bits = _backend(), 8
     likes = [tf.zeros([3, 5]), tf.zeros([10, 9], tf.float64), tf.zeros([7], tf.bfloat16)]
     numels = [15, 90, 7]
-    counts, first = core.segments(numels, block)
+    counts, _ = core.segments(numels, block)
     codes = np.random.default_rng(block).integers(-63, 64, sum(numels))
     steps = np.linspace(0.5, 2.0, len(counts))
     probe = [0.25, 0.375]  # Sum with a predivide of 4, over 2 ranks: factor 1/8
@@ -108,9 +108,10 @@ def test_rescale_a_bucket_of_several_tensors(path, block, monkeypatch):
     @tf.function(autograph=False)
     def rescale():
         state = ops.decoder(tf.constant(core.pack(NP, codes, bits)), bits, sum(numels))
-        out = ops.rescale_bucket(state, tf.constant(steps), list(zip(numels, first)), block,
-                                 likes, tf.constant(probe, tf.float64), 2)
-        return [ops.take(out, int(np.sum(numels[:i])), like) for i, like in enumerate(likes)]
+        reduced = tf.constant(probe, tf.float64)
+        out = ops.rescale_bucket(state, tf.constant(steps), counts, likes, reduced, 2)
+        return [ops.take(out, int(np.sum(numels[:i])), like, reduced, 2)
+                for i, like in enumerate(likes)]
 
     got = rescale()
     per_element = np.repeat(steps * 0.125, counts)  # float64, a bucket with float64 in it
@@ -131,7 +132,7 @@ def test_rescale_a_bucket_sent_in_chunks(mode, bits, block, chunk_bytes):
     ops = _backend()
     likes = [tf.zeros([3, 5]), tf.zeros([10, 9]), tf.zeros([70])]
     numels = [15, 90, 70]
-    counts, first = core.segments(numels, block)
+    counts, _ = core.segments(numels, block)
     top = (1 << (bits - 1)) - 1
     codes = np.random.default_rng(bits).integers(-top, top + 1, sum(numels))
     words = core.pack(NP, codes, bits)
@@ -145,9 +146,9 @@ def test_rescale_a_bucket_sent_in_chunks(mode, bits, block, chunk_bytes):
 
     def rescale(parts):
         state = ops.decoder([tf.convert_to_tensor(p) for p in parts], bits, sum(numels))
-        out = ops.rescale_bucket(state, tf.constant(steps), list(zip(numels, first)), block,
-                                 likes, probe, 2)
-        return [ops.take(out, int(np.sum(numels[:i])), like) for i, like in enumerate(likes)]
+        out = ops.rescale_bucket(state, tf.constant(steps), counts, likes, probe, 2)
+        return [ops.take(out, int(np.sum(numels[:i])), like, probe, 2)
+                for i, like in enumerate(likes)]
 
     run = rescale if mode == "eager" else tf.function(rescale, autograph=False)
     got = run(chunks)

@@ -134,12 +134,14 @@ class _Torch:
         return t.numpy()
 
     def decode(self, state, layout, counts, first, numels, factor, n):
+        probe = self.torch.tensor([factor * n, factor * n * (n + 1) / 2],
+                                  dtype=self.torch.float64)
+        likes = [self.torch.empty(k) for k in numels]
+        rescaled = self.b.rescale_bucket(state, None, counts, likes, probe, n)
         out, offset = [], 0
-        for i, k in enumerate(numels):
-            like = self.torch.empty(k)
-            out.append(self.b.decode_parts(state, offset, like, layout.first[first[i]],
-                                           layout.first[first[i + 1]], factor).numpy())
-            offset += k
+        for like in likes:  # each tensor's slice, as the engine takes it
+            out.append(self.b.take(rescaled, offset, like, probe, n).numpy())
+            offset += like.numel()
         return np.concatenate(out)
 
 
@@ -162,7 +164,7 @@ class _TF:
     def decode(self, state, layout, counts, first, numels, factor, n):
         probe = self.tf.constant([factor * n, factor * n * (n + 1) / 2], self.tf.float64)
         likes = [self.tf.zeros([k]) for k in numels]
-        return self.b.rescale_bucket(state, None, None, 1024, likes, probe, n).numpy()
+        return self.b.rescale_bucket(state, None, counts, likes, probe, n).numpy()
 
 
 def _simulate_backend(make, xs, numels, bits, factor):
@@ -297,7 +299,7 @@ def _simulate_graph(xs, bits):
     state = bs[0].messages(gathered, layout, steps1)
     probe = tf.constant([float(n), n * (n + 1) / 2], tf.float64)
     likes = [tf.zeros([k]) for k in NUMELS]
-    return bs[0].rescale_bucket(state, None, None, 1024, likes, probe, n), summed
+    return bs[0].rescale_bucket(state, None, counts, likes, probe, n), summed
 
 
 def test_unbiased_over_many_rounds():
