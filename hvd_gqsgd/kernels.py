@@ -538,20 +538,13 @@ def _work_items(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 
 def _segment_items(counts: Sequence[int], lo: int, hi: int
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Work items of at most BLOCK elements inside one scale segment, for the bucket
-    elements ``lo .. hi`` of segments of ``counts`` elements: each item's first element
-    (counted from ``lo``), its element count, and its segment."""
-    ends = np.cumsum(np.asarray(counts, dtype=np.int64))
-    a = np.clip(ends - np.asarray(counts, dtype=np.int64), lo, hi)
-    b = np.clip(ends, lo, hi)
-    segment = np.flatnonzero(b > a)
-    a, b = a[segment], b[segment]
-    pieces = -(-(b - a) // BLOCK)
-    first = np.cumsum(pieces) - pieces
-    segment = np.repeat(segment, pieces)
-    item = np.arange(segment.size, dtype=np.int64) - np.repeat(first, pieces)
-    begin = np.repeat(a, pieces) + item * BLOCK
-    return begin - lo, np.minimum(BLOCK, np.repeat(b, pieces) - begin), segment
+    """:func:`_work_items` of segments of ``counts`` elements, cut to the bucket elements
+    ``lo .. hi``: each item's first element (counted from ``lo``), its element count, and
+    its segment."""
+    seg, a, b = _work_items(np.asarray(counts, dtype=np.int64))
+    a, b = np.clip(a, lo, hi), np.clip(b, lo, hi)
+    keep = b > a
+    return a[keep] - lo, (b - a)[keep], seg[keep]
 
 
 def segment_norms(x: np.ndarray, counts: np.ndarray, norm: str) -> np.ndarray:
