@@ -96,9 +96,6 @@ def tape_sources(variables: Sequence[Any]) -> list[Any]:
 class TensorFlowBackend:
     """:class:`hvd_gqsgd.engine.Backend` for TensorFlow tensors and variables."""
 
-    # A bucket is rescaled in one host call (one per-tensor call cost ~40 us, more than a
-    # small gradient's whole reduction).  Its tensors take the first probe's factor: in TF a
-    # bucket of several tensors is always one grouped_allreduce call, so one op and factor.
     def __init__(self, seed: int | None) -> None:
         self._keys = core.NoiseKeys(seed)  # one key per bucket, drawn when the op runs
         # In a graph: the chunks of the bucket being traced, and of each traced chunk's Sum
@@ -312,8 +309,9 @@ class TensorFlowBackend:
 
     def take(self, rescaled: Any, offset: int, like: Any, reduced_probe: Any,
              world_size: int) -> Any:
-        # Every tensor of the bucket takes the factor of its first probe: one (grouped)
-        # allreduce call, DistributedGradientTape's or Keras', gives all of them one op.
+        # The bucket was rescaled in one host call (one per tensor cost ~40 us, more than a
+        # small gradient's whole reduction) with its first probe's factor: in TF a bucket of
+        # several tensors is always one grouped_allreduce call, so one op and factor.
         part = rescaled[offset:offset + _static_numel(like)]
         return tf.reshape(tf.cast(part, like.dtype), like.shape)
 
