@@ -156,8 +156,13 @@ class TorchLocal(TorchOps):
         dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
         if len(tensors) == 1:  # no copy when already flat and in dtype
             return tensors[0].detach().reshape(-1).to(dtype)
-        with torch.no_grad():  # one call per tensor (a deep model has hundreds)
-            flat = torch.cat([t.reshape(-1) for t in tensors])  # promotes mixed dtypes
+        parts = [t.reshape(-1) for t in tensors]  # one call per tensor (a deep model has hundreds)
+        with torch.no_grad():
+            if tensors[0].device.type == "cpu":  # recycled memory: no page faults every step
+                total = sum(p.numel() for p in parts)
+                out = host_empty(total, np.float64 if dtype == torch.float64 else np.float32)
+                return torch.cat(parts, out=out)  # casts each part to out's dtype
+            flat = torch.cat(parts)  # promotes mixed dtypes
         return flat if flat.dtype == dtype else flat.to(dtype)
 
     def encode(self, flat: Any, mult: Any, counts: Sequence[int], n_levels: int, bits: int,

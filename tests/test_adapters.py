@@ -135,3 +135,35 @@ def test_torch_input_that_requires_grad():
     sums = ops.decoder(words, 8, 40)
     got = ops.decode(sums, 0, x, torch.tensor(1 / 63, dtype=torch.float64), 0)
     assert got.shape == x.shape and float((got - x.detach()).abs().max()) <= 1 / 63 + 1e-6
+
+
+@pytest.mark.parametrize("dtypes, want", [
+    (("float32", "float32"), "float32"),
+    (("float16", "bfloat16", "float32"), "float32"),
+    (("float16", "float16"), "float32"),
+    (("float32", "float64"), "float64"),
+])
+def test_torch_flat_concat_dtype_and_fresh_buffer(dtypes, want):
+    """A bucket of several tensors is copied, in float64 when one of them is, else float32,
+    into recycled host memory that no earlier bucket still holds (shapes kept in order)."""
+    import torch
+
+    from hvd_gqsgd.torch import TorchBackend
+
+    ops = TorchBackend(seed=0)
+    rng = np.random.default_rng(0)
+    shapes = [(3, 5), (7,), (2, 2, 2)][:len(dtypes)]
+    tensors = [torch.tensor(rng.normal(size=s)).to(getattr(torch, d)).requires_grad_()
+               for s, d in zip(shapes, dtypes)]
+    big = [torch.randn(600_000) for _ in range(2)]  # past the pool's threshold: recycled
+    held = ops.flat_concat(big)
+    for _ in range(2):  # the second call may reuse memory the first one freed
+        flat = ops.flat_concat(tensors)
+        assert flat.dtype == getattr(torch, want) and not flat.requires_grad
+        want_np = np.concatenate([t.detach().to(torch.float64).numpy().reshape(-1)
+                                  for t in tensors]).astype(want)
+        np.testing.assert_array_equal(flat.numpy(), want_np)
+        again = ops.flat_concat(big)
+        assert again.data_ptr() != held.data_ptr()  # held is still in use
+        np.testing.assert_array_equal(held.numpy(), torch.cat(big).numpy())
+        del again
