@@ -288,6 +288,8 @@ class Engine:
                 assert bucket is not None
                 if bucket.stage != _SENT:
                     self._advance(until=bucket)
+                if self._round.pending:  # later buckets whose scales are back: on the wire
+                    self._advance()  # now, not once every earlier bucket is decoded
                 if bucket.decoded is None:
                     self._decode(bucket)
                 with self._round.timing("quantize_s"):
