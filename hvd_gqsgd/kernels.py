@@ -658,7 +658,12 @@ def _scratch(size: int) -> np.ndarray:
 
 ALIGN = 64  # bytes: host_array's alignment (at least EIGEN_MAX_ALIGN_BYTES for TF)
 _POOL_MIN = 1 << 20  # bytes: smaller buffers are cheap to allocate afresh
-_POOL_BYTES = 16 << 20  # per size: buffers kept beyond the first
+# Per size: bytes of buffers kept beyond the first.  Each bucket's decoded gradient lives
+# until the framework drops it, so a step holds one buffer per bucket at once (8 for the
+# deep model's 64 MB in 8 MiB buckets); with 16 MiB, all but one faulted in fresh pages
+# every step (rescale_bucket 19-30 ms a step, 14-17 ms pooled: benchmarks/deep_timeline.py).
+# The pool never holds more than the most buffers of a size that were in use at once.
+_POOL_BYTES = 256 << 20
 _pool: dict[int, list[np.ndarray]] = {}
 _pool_lock = threading.Lock()
 

@@ -222,7 +222,7 @@ def test_host_arrays_are_aligned_and_recycled_only_when_unused():
 
     from hvd_gqsgd.torch_ops import host_empty
 
-    n = (4 << 20) // 8  # 4 MiB of int64: pooled, up to 4 buffers of this size
+    n = (4 << 20) // 8  # 4 MiB of int64: pooled
     kernels._pool.pop(n * 8, None)
     a = host_empty(n, np.int64)
     a.fill_(1)
