@@ -56,9 +56,13 @@ def rows_of(proc: subprocess.CompletedProcess, what: str) -> list[dict]:
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
                            f"{proc.stderr[-3000:]}")
-    lines = [line.split(":", 1)[1] if line.startswith("[0]<stdout>:") else line
-             for line in proc.stdout.splitlines()]
-    return [json.loads(line) for line in lines if line.startswith("{")]
+    return [json.loads(line) for line in rank0_lines(proc.stdout) if line.startswith("{")]
+
+
+def rank0_lines(stdout: str) -> list[str]:
+    """mpirun's output lines, rank 0's without their ``[0]<stdout>:`` tag."""
+    return [line.split(":", 1)[1] if line.startswith("[0]<stdout>:") else line
+            for line in stdout.splitlines()]
 
 
 def on_hosts(net: EmulatedHosts, worker: str, *args: str, env: dict | None = None

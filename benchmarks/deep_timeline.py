@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -108,7 +109,7 @@ def worker(args: argparse.Namespace) -> None:
         events.append((time.perf_counter(), "step ends"))
         steps.append(time.perf_counter() - start)
     t0 = events[0][0]  # the last step's start of backward
-    mine = {"rank": hvd.rank(), "step_ms": 1e3 * sorted(steps[1:])[len(steps[1:]) // 2],
+    mine = {"rank": hvd.rank(), "step_ms": 1e3 * statistics.median(steps[1:]),
             "per_step_ms": {k: 1e3 * v / args.steps for k, v in totals.items()},
             "events": [f"{1e3 * (t - t0):8.2f}  {what}" for t, what in events]}
     everyone = hvd.allgather_object(mine)
@@ -140,15 +141,14 @@ def main() -> int:
     if not args.hosts:
         worker(args)
         return 0
-    from deep_bench import ENV
+    from deep_bench import ENV, rank0_lines
     from emulated_hosts import EmulatedHosts, require_root
 
     require_root()
     with EmulatedHosts(args.hosts, rate=args.rate) as net:
         proc = net.mpirun([sys.executable, __file__, "--steps", str(args.steps)], env=ENV,
                           timeout=600)
-    print("\n".join(line.split(":", 1)[1] if line.startswith("[0]<stdout>:") else line
-                    for line in proc.stdout.splitlines()))
+    print("\n".join(rank0_lines(proc.stdout)))
     if proc.returncode:
         print(proc.stderr[-3000:], file=sys.stderr)
     return proc.returncode
