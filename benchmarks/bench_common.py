@@ -35,6 +35,32 @@ def compressor(name: str, hvd: Any, process_set: Any = None) -> Any:
     return {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[name]
 
 
+def thread_cpu_s() -> dict[int, float]:
+    """CPU seconds (user + system) each thread of this process has used, by native thread
+    id, from ``/proc/self/task`` (Linux).  On the emulated hosts each rank has one core, so
+    this splits a step between the thread that runs the model (and GlobalQSGD's kernels)
+    and Horovod's background thread, whose MPI wait busy-polls while bytes are in flight."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
+def cpu_split(before: dict[int, float], after: dict[int, float], main: int, steps: int
+              ) -> dict[str, float]:
+    """Per step: CPU seconds of thread ``main`` and of all other threads together, between
+    two :func:`thread_cpu_s` readings."""
+    used = {t: v - before.get(t, 0.0) for t, v in after.items()}
+    return {"main_cpu_s": used.get(main, 0.0) / steps,
+            "other_cpu_s": sum(v for t, v in used.items() if t != main) / steps}
+
+
 def hvd_size_from_env() -> int:
     """World size before hvd.init (process sets must be declared at init): mpirun's or
     horovodrun's variable."""

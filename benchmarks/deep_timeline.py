@@ -10,9 +10,11 @@ benchmarks/deep_worker.py's model (16 x ``Linear(1024, 1024)`` + Tanh) under
 work (``flat_concat``, ``local_norms``, ``encode``, ``decoder``, ``rescale_bucket``) and
 collectives (each scale and codes allreduce launched, the first poll that finds one back, each
 wait) are timed for ``--steps`` steps.  Rank 0 prints, for every rank, each method's
-milliseconds per step, then the events of the last step side by side, in milliseconds from
-that rank's start of backward.  Timing costs a few microseconds a call; ranks' clocks are
-aligned only by the barrier before each step.
+milliseconds per step, in wall time and (``<method> cpu``) in CPU time of the calling thread,
+which on a shared core is less than the wall time by what other threads took; then the
+events of the last step side by side, in milliseconds from that rank's start of backward.
+Timing costs a few microseconds a call; ranks' clocks are aligned only by the barrier before
+each step.
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ def instrument(backend_cls: type, events: list[tuple[float, str]],
         inner = getattr(backend_cls, meth)
 
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             out = inner(self, *args, **kwargs)
             totals[meth] += time.perf_counter() - start
+            totals[f"{meth} cpu"] += time.thread_time() - cpu
             if meth != "wait":
                 events.append((start, f"{meth} {1e3 * (time.perf_counter() - start):.1f} ms"))
             return out

@@ -7,8 +7,10 @@ backward produces gradients layer by layer, so a compressor that starts sending 
 ``compress`` (GlobalQSGD's default ``bucket_bytes``) can overlap the codes with the rest of
 backward, as Horovod's own fp16 does.  ``compute`` is the same step with the plain optimizer
 and no Horovod at all: the floor no compressor can beat.  Rank 0 prints one JSON line per
-variant: the median step time of the slowest rank, the held-out loss before and after, and
-GlobalQSGD's own timers.
+variant: the median step time of the slowest rank, the held-out loss before and after,
+GlobalQSGD's own timers, and the CPU each step took, split between the thread that runs the
+model (with GlobalQSGD's kernels) and the process's other threads (Horovod's background
+thread, which busy-polls in MPI while bytes are in flight), averaged over the ranks.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import threading
 import time
 
 import horovod.torch as hvd
 import torch
-from bench_common import compressor, deep_args
+from bench_common import compressor, cpu_split, deep_args, thread_cpu_s
 
 
 def model(width: int, depth: int) -> torch.nn.Module:
@@ -49,20 +52,29 @@ def run(name: str, args: argparse.Namespace) -> dict:
             return float(torch.nn.functional.mse_loss(net(held_out), target(held_out)))
 
     loss_start, times, after_warmup = held_out_loss(), [], {}
+    cpu: dict[str, float] = {"main_cpu_s": 0.0, "other_cpu_s": 0.0, "mean_s": 0.0}
     for i in range(args.steps + 1):
         x = torch.randn(args.batch, args.width, generator=gen)
         hvd.allreduce(torch.zeros(1), name="barrier")
+        before = thread_cpu_s()
         start = time.perf_counter()
         opt.zero_grad()
         torch.nn.functional.mse_loss(net(x), target(x)).backward()
         opt.step()
         if i:  # the first step warms up (numba compilation, buffers, response cache)
             times.append(time.perf_counter() - start)
+            split = cpu_split(before, thread_cpu_s(), threading.get_native_id(), args.steps)
+            split["mean_s"] = times[-1] / args.steps
+            cpu = {k: cpu[k] + v for k, v in split.items()}
         elif comp is not None and hasattr(comp, "stats"):
             after_warmup = comp.stats.as_dict()
     slowest = hvd.allreduce(torch.tensor(statistics.median(times)), op=hvd.Max,
                             name=f"t.{name}")
-    row = {"what": f"deep_{name}", "median_s": float(slowest), "loss_start": loss_start,
+    # CPU per step of the thread that runs the model and of all others (Horovod's background
+    # thread), and the mean step they add up to, averaged over the ranks
+    cpu = {k: float(hvd.allreduce(torch.tensor(v), name=f"c.{name}.{k}"))
+           for k, v in cpu.items()}
+    row = {"what": f"deep_{name}", "median_s": float(slowest), **cpu, "loss_start": loss_start,
            "loss_end": held_out_loss(), "ranks": hvd.size(),
            "grad_mb": sum(p.numel() * 4 for p in net.parameters()) / 2**20,
            "tensors": len(list(net.parameters()))}
