@@ -39,7 +39,8 @@ def thread_cpu_s() -> dict[int, float]:
     """CPU seconds (user + system) each thread of this process has used, by native thread
     id, from ``/proc/self/task`` (Linux).  On the emulated hosts each rank has one core, so
     this splits a step between the thread that runs the model (and GlobalQSGD's kernels)
-    and Horovod's background thread, whose MPI wait busy-polls while bytes are in flight."""
+    and Horovod's background thread, whose MPI wait busy-polls while bytes are in flight.
+    A thread that ends between two readings drops out of the second, with its CPU."""
     tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for tid in os.listdir("/proc/self/task"):
