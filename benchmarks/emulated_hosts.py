@@ -1,6 +1,7 @@
 """Emulated hosts on one machine: one network namespace per host, joined by veth pairs to a
-bridge in its own namespace, links rate-limited with tc, and mpirun driven through an rsh
-agent that does ``ip netns exec``.  Needs root (CAP_NET_ADMIN).
+bridge in its own namespace, links rate-limited with tc, and mpirun (or horovodrun --gloo)
+driven through an rsh agent (an ssh stand-in) that does ``ip netns exec``.  Needs root
+(CAP_NET_ADMIN).
 
 Traffic stays inside the namespaces made here: hosts get addresses in SUBNET on their own
 veth, the bridge has no address and no uplink, so nothing can reach any other network.
@@ -13,6 +14,8 @@ Everything is torn down on exit, also after an error.
 from __future__ import annotations
 
 import os
+import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -49,6 +52,8 @@ class EmulatedHosts:
         self.hosts = [f"{PREFIX}{self.tag}h{i}" for i in range(n)]
         self.addresses = [f"{SUBNET}.{i + 1}" for i in range(n)]
         self._tmp = tempfile.TemporaryDirectory(prefix="gq-hosts-")
+        self._etc: list[Path] = []  # /etc/netns/<host> folders made by horovodrun()
+        self._etc_made: set[Path] = set()  # /etc/netns itself, when horovodrun() made it
 
     def __enter__(self) -> EmulatedHosts:
         if os.geteuid() != 0:
@@ -97,6 +102,10 @@ class EmulatedHosts:
             for pid in kill.stdout.split():
                 subprocess.run(["kill", "-9", pid], capture_output=True)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        for path in self._etc:  # our /etc/netns/<host> folders, then /etc/netns if ours
+            shutil.rmtree(path, ignore_errors=True)
+            if path.parent in self._etc_made and not any(path.parent.iterdir()):
+                path.parent.rmdir()
         self._tmp.cleanup()
 
     def agent(self) -> str:
@@ -114,6 +123,50 @@ class EmulatedHosts:
             "exec ip netns exec $ns sh -c \"$*\"\n")
         path.chmod(path.stat().st_mode | stat.S_IXUSR)
         return str(path)
+
+    def horovodrun(self, command: list[str], ranks_per_host: int = 1, timeout: float = 600,
+                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """Run ``command`` on every host with ``horovodrun --gloo`` (Horovod's Gloo
+        controller, no MPI), started from host 0's namespace over the emulated links only.
+
+        horovodrun reaches remote hosts with ``ssh``: an ``ssh`` first on PATH here runs the
+        command in the host's namespace instead.  Gloo binds to the address the hostname
+        resolves to, 127.0.0.1 in every namespace by default; ``ip netns exec`` mounts
+        ``/etc/netns/<host>/hosts`` over /etc/hosts, and those files (removed on exit) give
+        each host's hostname its own address."""
+        shim = Path(self._tmp.name) / "ssh-shim"
+        shim.mkdir(exist_ok=True)
+        ssh = shim / "ssh"
+        cases = "\n".join(f"  {a}) ns={h} ;;" for a, h in zip(self.addresses, self.hosts))
+        ssh.write_text(
+            "#!/bin/sh\n"
+            "# horovodrun's ssh: [-o opt].. host [-o opt | -p port | -i file].. command\n"
+            "while [ \"$1\" = -o ]; do shift 2; done\n"
+            "host=$1; shift\n"
+            "while [ \"$1\" = -o ] || [ \"$1\" = -p ] || [ \"$1\" = -i ]; do shift 2; done\n"
+            "case $host in\n"
+            f"{cases}\n"
+            "  *) echo \"emulated hosts' ssh: unknown host $host\" >&2; exit 255 ;;\n"
+            "esac\n"
+            "exec ip netns exec $ns sh -c \"$*\"\n")
+        ssh.chmod(ssh.stat().st_mode | stat.S_IXUSR)
+        for ns, addr in zip(self.hosts, self.addresses):
+            etc = Path("/etc/netns") / ns
+            if etc not in self._etc:
+                if not etc.parent.exists():
+                    self._etc_made.add(etc.parent)
+                etc.mkdir(parents=True, exist_ok=True)
+                self._etc.append(etc)
+                (etc / "hosts").write_text(f"127.0.0.1 localhost\n{addr} {socket.gethostname()}\n")
+        hosts = ",".join(f"{a}:{ranks_per_host}" for a in self.addresses)
+        launcher = ["ip", "netns", "exec", self.hosts[0],
+                    str(Path(sys.executable).parent / "horovodrun"), "--gloo",
+                    "-np", str(self.n * ranks_per_host), "-H", hosts,
+                    "--network-interfaces", "eth0", *command]
+        full = {**os.environ, **(env or {})}
+        full["PATH"] = f"{shim}:{full.get('PATH', '')}"
+        return subprocess.run(launcher, env=full, capture_output=True, text=True,
+                              timeout=timeout)
 
     def mpirun(self, command: list[str], ranks_per_host: int = 1, timeout: float = 600,
                env: dict[str, str] | None = None,

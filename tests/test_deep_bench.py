@@ -84,3 +84,46 @@ def test_goal_lines_say_met_when_a_goal_is() -> None:
     assert "fp16/GQ8: PyTorch 2.11x (goal 1.7x: met)" in text
     assert "CPU a step" not in text  # no CPU split measured: no budget lines
     assert pytest.approx(deep[0]["wire"]) == 2 * 0.5 * 64 * 2**20 * 8 / 1e9
+
+
+def test_gloo_rows_get_their_own_line_and_stay_out_of_the_goals() -> None:
+    mpi = [_row("compute", 0.06), _row("none", 0.64), _row("fp16", 0.40),
+           _row("gqsgd8", 0.25, payload=16 * 2**20)]
+    gloo = [_row("compute", 0.06, main=0.06, other=0.0), _row("none", 0.64, main=0.5),
+            _row("fp16", 0.44, main=0.2), _row("gqsgd8", 0.22, main=0.18, other=0.04,
+                                                payload=16 * 2**20)]
+    deep = (deep_bench.annotate(mpi, "PyTorch", 2, "1gbit")
+            + deep_bench.annotate([dict(r, what="tf_" + r["what"]) for r in mpi], "TF", 2,
+                                  "1gbit")
+            + deep_bench.annotate(gloo, deep_bench.GLOO, 2, "1gbit"))
+    text = "\n".join(deep_bench.goal_lines(deep))
+    assert "none/GQ8: PyTorch 2.56x (goal 3.2x: not met)" in text  # mpirun's, not Gloo's
+    assert "under `horovodrun --gloo`" in text and "none/GQ8 2.91x, fp16/GQ8 2.00x" in text
+    assert "(0.040 s of CPU a step), and the model thread's 0.180 s" in text
+
+
+WORKER = """
+import socket, horovod.torch as hvd, torch
+hvd.init()
+total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum)
+print("RESULT", hvd.rank(), socket.gethostbyname(socket.gethostname()), float(total), flush=True)
+"""
+
+
+def test_horovodrun_runs_gloo_across_the_emulated_hosts(tmp_path) -> None:
+    from emulated_hosts import EmulatedHosts
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    with EmulatedHosts(2, rate="1gbit") as net:
+        proc = net.horovodrun([sys.executable, str(script)], env={"OMP_NUM_THREADS": "1"},
+                              timeout=300)
+        etc = [Path("/etc/netns") / ns for ns in net.hosts]
+        assert all((e / "hosts").exists() for e in etc)
+        addresses = net.addresses
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = sorted(line.split("RESULT ")[1].split() for line in proc.stdout.splitlines()
+                     if "RESULT " in line)
+    # each rank on its own host, whose hostname resolves to that host's address (Gloo binds
+    # there), and the sum went through Gloo between them
+    assert results == [["0", addresses[0], "3.0"], ["1", addresses[1], "3.0"]]
+    assert not any(e.exists() for e in etc)
