@@ -109,13 +109,16 @@ class EmulatedHosts:
         self._tmp.cleanup()
 
     def agent(self) -> str:
-        """An rsh agent for mpirun: ``agent <host-address> <command...>`` runs the command in
-        that host's namespace."""
+        """An rsh agent for mpirun, and ssh for horovodrun: ``agent [-o opt].. <host-address>
+        [-o opt | -p port | -i file].. <command...>`` runs the command in that host's
+        namespace (ssh's options, which horovodrun passes, are skipped)."""
         path = Path(self._tmp.name) / "netns-rsh"
         cases = "\n".join(f"  {a}) ns={h} ;;" for a, h in zip(self.addresses, self.hosts))
         path.write_text(
             "#!/bin/sh\n"
+            "while [ \"$1\" = -o ]; do shift 2; done\n"
             "host=$1; shift\n"
+            "while [ \"$1\" = -o ] || [ \"$1\" = -p ] || [ \"$1\" = -i ]; do shift 2; done\n"
             "case $host in\n"
             f"{cases}\n"
             "  *) echo \"netns-rsh: unknown emulated host $host\" >&2; exit 1 ;;\n"
@@ -129,27 +132,15 @@ class EmulatedHosts:
         """Run ``command`` on every host with ``horovodrun --gloo`` (Horovod's Gloo
         controller, no MPI), started from host 0's namespace over the emulated links only.
 
-        horovodrun reaches remote hosts with ``ssh``: an ``ssh`` first on PATH here runs the
-        command in the host's namespace instead.  Gloo binds to the address the hostname
-        resolves to, 127.0.0.1 in every namespace by default; ``ip netns exec`` mounts
-        ``/etc/netns/<host>/hosts`` over /etc/hosts, and those files (removed on exit) give
-        each host's hostname its own address."""
+        horovodrun reaches remote hosts with ``ssh``: :meth:`agent`, first on PATH as
+        ``ssh``, runs the command in the host's namespace instead.  Gloo binds to the address
+        the hostname resolves to, 127.0.0.1 in every namespace by default; ``ip netns exec``
+        mounts ``/etc/netns/<host>/hosts`` over /etc/hosts, and those files (removed on exit)
+        give each host's hostname its own address."""
         shim = Path(self._tmp.name) / "ssh-shim"
         shim.mkdir(exist_ok=True)
-        ssh = shim / "ssh"
-        cases = "\n".join(f"  {a}) ns={h} ;;" for a, h in zip(self.addresses, self.hosts))
-        ssh.write_text(
-            "#!/bin/sh\n"
-            "# horovodrun's ssh: [-o opt].. host [-o opt | -p port | -i file].. command\n"
-            "while [ \"$1\" = -o ]; do shift 2; done\n"
-            "host=$1; shift\n"
-            "while [ \"$1\" = -o ] || [ \"$1\" = -p ] || [ \"$1\" = -i ]; do shift 2; done\n"
-            "case $host in\n"
-            f"{cases}\n"
-            "  *) echo \"emulated hosts' ssh: unknown host $host\" >&2; exit 255 ;;\n"
-            "esac\n"
-            "exec ip netns exec $ns sh -c \"$*\"\n")
-        ssh.chmod(ssh.stat().st_mode | stat.S_IXUSR)
+        if not (shim / "ssh").exists():
+            (shim / "ssh").symlink_to(self.agent())
         for ns, addr in zip(self.hosts, self.addresses):
             etc = Path("/etc/netns") / ns
             if etc not in self._etc:
