@@ -148,10 +148,36 @@ def test_segment_norms(norm):
 def test_noise_is_uniform_and_keyed():
     u = kernels.noise(5, 0, 200_000)
     assert u.dtype == np.float64 and u.min() >= 0 and u.max() < 1
-    assert np.all(u * 2**32 == np.floor(u * 2**32))  # 32-bit uniforms
+    assert np.all(u * 2**24 == np.floor(u * 2**24))  # 24-bit uniforms
     assert abs(u.mean() - 0.5) < 0.005 and abs(u.var() - 1 / 12) < 0.002
     assert not np.array_equal(u[:100], kernels.noise(6, 0, 100))
     np.testing.assert_array_equal(u[50:60], kernels.noise(5, 50, 10))
+
+
+def _window(buf: np.ndarray, first: int, size: int) -> np.ndarray:
+    """A 1-D array of ``size`` elements whose elements ``first .. first + buf.size`` are
+    ``buf``: a bucket far longer than memory, of which a kernel touches only that window."""
+    interface = {"data": (buf.ctypes.data - first * buf.itemsize, False),
+                 "shape": (size,), "typestr": buf.dtype.str, "version": 3}
+    holder = type("Window", (), {"__array_interface__": interface, "buf": buf})()
+    return np.asarray(holder)
+
+
+def test_codes_cross_the_two_to_the_32_boundary():
+    # elements 2**32 - 32 .. 2**32 + 32: the noise seed changes at 2**32, in the kernel as in
+    # kernels.noise (a bucket that long is 16 GiB of float32, so only a window is real)
+    first, count, level, key = 2**32 - 32, 64, 31, core.noise_key(3, 1)
+    x = np.linspace(-0.9, 0.8, count).astype(np.float32) * np.float32(0.37)
+    codes = np.zeros(count, np.int16)
+    mult = np.float32(level / 0.9)
+    kernels._codes_pass[1](_window(x, first, first + count), np.array([first]),
+                           np.array([first + count]), np.array([mult]), np.float32(level),
+                           np.uint64(key), _window(codes, first, first + count))
+    u = kernels.noise(key, first, count)
+    y = np.clip(x * mult, -level, level)
+    expected = np.floor(y) + (u < y - np.floor(y))
+    np.testing.assert_array_equal(codes, expected)
+    assert not np.array_equal(u[32:], kernels.noise(key, 0, 32))  # a fresh seed past 2**32
 
 
 def test_threaded_kernels_match_generic_path(monkeypatch):
