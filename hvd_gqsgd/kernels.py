@@ -62,11 +62,11 @@ def noise(key: int, start: int, count: int) -> np.ndarray:
     """The float64 uniforms in [0, 1) (multiples of 2**-24) that the kernels use for elements
     ``start .. start + count`` of a bucket keyed by ``key`` (NumPy, for tests and oracles)."""
     i = np.arange(start, start + count, dtype=np.uint64)
-    key = np.uint64(key)
-    key_high = (key >> np.uint64(32)).astype(np.uint32)
+    k = np.uint64(key)
+    key_low, key_high = np.uint32(k & np.uint64(0xFFFFFFFF)), np.uint32(k >> np.uint64(32))
     with np.errstate(over="ignore"):
         high = (i >> np.uint64(32)).astype(np.uint32)
-        seed = key.astype(np.uint32) ^ _mix32_np(key_high + high)
+        seed = key_low ^ _mix32_np(key_high + high)
         return (_mix32_np(i.astype(np.uint32) + seed) >> np.uint32(8)) * _UNIT
 
 
