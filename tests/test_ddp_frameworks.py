@@ -31,10 +31,17 @@ _dist.all_gather(_all, _params)
 with open(f"rank{_dist.get_rank()}.pkl", "wb") as _f:
     _pickle.dump({"size": _dist.get_world_size(), "params": [t.numpy() for t in _all],
                   "rounds": STATE.stats.rounds}, _f)
-# torch/Gloo sometimes aborts at exit with a live process group ("terminate called without
-# an active exception", seen here with and without hvd_gqsgd): end it first
+# torch/Gloo sometimes aborts at exit ("terminate called without an active exception", about
+# 3 runs in 25, with and without hvd_gqsgd, and once more in CI after the process group was
+# destroyed): end the group, then leave without the interpreter's teardown.  Everything this
+# test checks is in the file above; a failure before this line still exits non-zero.
 _dist.barrier()
 _dist.destroy_process_group()
+import os as _os
+import sys as _sys
+_sys.stdout.flush()
+_sys.stderr.flush()
+_os._exit(0)
 '''
 
 
