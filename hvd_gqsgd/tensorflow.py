@@ -36,20 +36,31 @@ import tensorflow as tf
 from . import core, kernels
 from .compressor import GlobalQSGD
 
-__all__ = ["GlobalQSGD", "TensorFlowBackend", "group_gradients", "tape_sources"]
+__all__ = ["GlobalQSGD", "TensorFlowBackend", "buckets", "group_gradients", "tape_sources"]
 
 
 def group_gradients(late: bool = False) -> None:
-    """Make Horovod reduce all gradients in one grouped call when the compressor is a
-    :class:`GlobalQSGD`, as if the user had passed ``num_groups=1``.
+    """Make Horovod reduce gradients in grouped calls of about ``bucket_bytes`` each when the
+    compressor is a :class:`GlobalQSGD`, instead of one call per gradient.
 
     With Horovod's default ``num_groups=0``, ``DistributedGradientTape`` and the (legacy)
     Keras ``DistributedOptimizer`` reduce each gradient in its own ``tf.cond``: a compressor
     sees one tensor at a time and pays a scale exchange, a code allreduce and a host call per
-    gradient (a 300-tensor model stepped 44x slower than uncompressed).  Grouped, the whole
-    step is one bucket.  Results are the same either way: one gradient's reduction does not
-    depend on the others'.  Other compressors, and an explicit ``num_groups`` or ``groups``,
-    are left as they are.
+    gradient (a 300-tensor model stepped 44x slower than uncompressed).  Grouped, each group
+    is one bucket.  Results are the same either way: one gradient's reduction does not depend
+    on the others'.  Other compressors, and an explicit ``num_groups`` or ``groups``, are left
+    as they are.
+
+    How the gradients are grouped depends on where the reduction is built:
+
+    * inside ``tf.function`` (a tape made in the traced step): one grouped call per bucket
+      (:func:`buckets`: ``bucket_bytes`` of gradient, 8 MiB by default, taken from the last
+      variable back, the order backward produces them).  Each call is its own ``tf.cond``,
+      which TF runs as soon as that bucket's gradients exist, so a deep model's last layers
+      are exchanged, quantized and sent while backward still computes the first ones;
+    * eagerly, or with ``bucket_bytes=0``: one grouped call for all gradients, as if the user
+      had passed ``num_groups=1`` (eagerly, the gradients are all computed before Horovod
+      sees them, so there is nothing to overlap).
 
     Installed by wrapping ``horovod.tensorflow._make_allreduce_grads_fn``, which both build
     their reduction with, when a ``GlobalQSGD`` is constructed after ``horovod.tensorflow``
@@ -64,10 +75,15 @@ def group_gradients(late: bool = False) -> None:
     @functools.wraps(make)
     def make_grouped(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
-        if isinstance(bound.arguments.get("compression"), GlobalQSGD) and not (
-                bound.arguments.get("groups")):
-            bound.arguments["groups"] = 1
-        return make(*bound.args, **bound.kwargs)
+        compression = bound.arguments.get("compression")
+        if not isinstance(compression, GlobalQSGD) or bound.arguments.get("groups"):
+            return make(*bound.args, **bound.kwargs)
+        bound.arguments["groups"] = 1
+        reduce_all = make(*bound.args, **bound.kwargs)
+        limit = compression.settings.bucket_bytes
+        if tf.executing_eagerly() or limit == 0:
+            return reduce_all
+        return _per_bucket(reduce_all, core.AUTO_BUCKET_BYTES if limit is None else limit)
 
     make_grouped._hvd_gqsgd_groups = True  # type: ignore[attr-defined]
     hvd._make_allreduce_grads_fn = make_grouped
@@ -78,6 +94,55 @@ def group_gradients(late: bool = False) -> None:
             "gradients one by one (a scale exchange and a code allreduce per gradient: slow "
             "for many small tensors). Construct GlobalQSGD after `import horovod.tensorflow`, "
             "or pass num_groups=1 to them.", RuntimeWarning, stacklevel=3)
+
+
+def buckets(grads: Sequence[Any], limit: int) -> list[list[int]] | None:
+    """Indices of ``grads`` grouped into buckets of at least ``limit`` bytes (the last may be
+    smaller), walking from the last gradient back, as backward produces them: the rule by
+    which the engine seals a bucket from ``compress``.  Each bucket lists its indices in
+    ascending order; ``None`` gradients are left out.  ``None`` when a gradient's size is not
+    known at trace time or it is sparse (``tf.IndexedSlices``): then all go in one group."""
+    out: list[list[int]] = []
+    current: list[int] = []
+    queued = 0
+    for i in reversed(range(len(grads))):
+        g = grads[i]
+        if g is None:
+            continue
+        if isinstance(g, tf.IndexedSlices) or not g.shape.is_fully_defined():
+            return None
+        current.append(i)
+        queued += g.shape.num_elements() * g.dtype.size
+        if queued >= limit:
+            out.append(current[::-1])
+            current, queued = [], 0
+    if current:
+        out.append(current[::-1])
+    return out
+
+
+def _per_bucket(reduce_all: Callable[..., Any], limit: int) -> Callable[..., Any]:
+    """``reduce_all`` (Horovod's reduction of a list of gradients in one grouped call), called
+    once per :func:`buckets` group instead of once for all: one ``tf.cond`` per bucket, each
+    waiting only for its own gradients.  With ``use_generic_names`` Horovod would name every
+    call's group ``grad_0``, so then all gradients go in one call."""
+
+    @functools.wraps(reduce_all)
+    def reduce_per_bucket(grads: Sequence[Any], vars: Sequence[Any] | None = None,
+                          use_generic_names: bool = False) -> list[Any]:
+        groups = None if use_generic_names else buckets(grads, limit)
+        if groups is None or len(groups) < 2:
+            return reduce_all(grads, vars, use_generic_names)
+        out = list(grads)
+        for group in groups:
+            reduced = reduce_all([grads[i] for i in group],
+                                 None if vars is None else [vars[i] for i in group],
+                                 use_generic_names)
+            for i, r in zip(group, reduced):
+                out[i] = r
+        return out
+
+    return reduce_per_bucket
 
 
 def tape_sources(variables: Sequence[Any]) -> list[Any]:

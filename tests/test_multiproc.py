@@ -267,7 +267,8 @@ def test_distributed_optimizer_reduces_like_uncompressed(ranks):
     expected_configs = {
         "torch": {"average", "sum", "predivide", "groups", "bpps2", "bucketed",
                   "sum-bucketed", "groups-bucketed", "bpps2-bucketed"},
-        "tensorflow": {f"{c}-{m}" for c in ("average", "sum", "predivide", "groups")
+        "tensorflow": {f"{c}-{m}" for c in ("average", "sum", "predivide", "groups",
+                                            "bucketed", "sum-bucketed")
                        for m in ("eager", "function")},
     }[ranks[0]["framework"]]
     assert set(ranks[0]["optimizer_grads"]) == expected_configs
@@ -275,10 +276,12 @@ def test_distributed_optimizer_reduces_like_uncompressed(ranks):
         _check_reduced_grads(ranks, config)
     if ranks[0]["framework"] == "tensorflow":
         # Horovod's default tape reduces each gradient in its own tf.cond; hvd_gqsgd groups
-        # them (hvd_gqsgd.tensorflow.group_gradients), so every config traces one round
+        # them (hvd_gqsgd.tensorflow.group_gradients), so every config traces one round, but
+        # in tf.function 60-byte buckets split the 4 gradients (512, 64, 64, 4 bytes) into 3
         grads = ranks[0]["optimizer_grads"]
         for config in expected_configs:
-            assert grads[config]["rounds"] == 1, config
+            rounds = 3 if "bucketed" in config and config.endswith("function") else 1
+            assert grads[config]["rounds"] == rounds, config
             assert grads[config]["tensors"] == len(grads[config]["local"]), config
     if "bucketed" in expected_configs:  # 4 tensors of 1+16+16+128 floats, 60-byte buckets
         grads = ranks[0]["optimizer_grads"]

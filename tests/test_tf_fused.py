@@ -306,3 +306,26 @@ def test_recycled_host_buffers_never_overwrite_a_live_tensor():
     assert len(pooled) == 3  # a dropped result's buffer was reused
     view = kernels.host_array(n, np.float32)[10:20]  # a view keeps its buffer taken
     assert kernels.host_array(n, np.float32).base is not view.base
+
+
+def test_buckets_walk_back_from_the_last_gradient():
+    """hvd_gqsgd.tensorflow.buckets: the engine's seal rule (close a bucket once it holds
+    ``limit`` bytes) applied from the last gradient back; None gradients are skipped; a
+    sparse gradient or one of unknown size puts everything in one group (None)."""
+    from hvd_gqsgd.tensorflow import buckets
+
+    grads = [tf.zeros([128]), tf.zeros([16]), None, tf.zeros([16], tf.float16), tf.zeros([1])]
+    # bytes: 512, 64, -, 32, 4; from the back: 4+32+64 = 100 >= 60, then 512
+    assert buckets(grads, 60) == [[1, 3, 4], [0]]
+    assert buckets(grads, 1) == [[4], [3], [1], [0]]
+    assert buckets(grads, 10**9) == [[0, 1, 3, 4]]
+    assert buckets([None, None], 60) == []
+    sparse = tf.IndexedSlices(tf.zeros([2, 4]), tf.constant([0, 3]), tf.constant([8, 4]))
+    assert buckets([tf.zeros([4]), sparse], 60) is None
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32)])
+    def unknown(x):
+        assert buckets([tf.zeros([4]), x], 60) is None
+        return x
+
+    unknown(tf.zeros([3]))

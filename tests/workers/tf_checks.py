@@ -202,12 +202,15 @@ def optimizer_grads(rank: int, n: int) -> dict:
     """DistributedGradientTape, eagerly and in tf.function: local grads in, reduced out."""
     x, y = (tf.constant(a) for a in training_data(rank, 64))
     configs = {"average": {}, "sum": {"op": hvd.Sum}, "predivide": {
-        "gradient_predivide_factor": 2.0}, "groups": {"num_groups": 1}}
+        "gradient_predivide_factor": 2.0}, "groups": {"num_groups": 1},
+        "bucketed": {}, "sum-bucketed": {"op": hvd.Sum}}
     out = {}
     for mode in ("eager", "function"):
         for name, kwargs in configs.items():
             model = _model()
-            comp = GlobalQSGD(bits=8)
+            # 4 gradients of 512, 64, 64 and 4 bytes: in tf.function, 60-byte buckets make
+            # 3 grouped calls (hvd_gqsgd.tensorflow.buckets), eagerly still one
+            comp = GlobalQSGD(bits=8, bucket_bytes=60 if "bucketed" in name else None)
 
             def grads(model=model, comp=comp, kwargs=kwargs):
                 with tf.GradientTape(persistent=True) as tape:
