@@ -124,10 +124,12 @@ class GlobalQSGD:
             gradient's backward hook, a deep model's codes then go on the wire while
             backward still runs.  ``None`` (default) lets the adapter choose: PyTorch 8 MiB
             (``core.AUTO_BUCKET_BYTES``; 0 with ``hierarchical``, whose collectives block);
-            TensorFlow 0, since its tapes hand over every gradient at once.  0: one bucket
-            per round, sealed by the first ``decompress``: one scale exchange and one codes
-            allreduce per step, fewest collectives, which measured as fast or faster where
-            backward is short next to the wire (docs/BENCHMARKS.md).
+            TensorFlow 8 MiB inside ``tf.function``, where each bucket becomes its own grouped
+            Horovod call (:func:`hvd_gqsgd.tensorflow.buckets`) that TF starts once its
+            gradients exist, and one group eagerly, where tapes hand over every gradient at
+            once.  0: one bucket per round, sealed by the first ``decompress``: one scale
+            exchange and one codes allreduce per step, fewest collectives, which measured as
+            fast or faster where backward is short next to the wire (docs/BENCHMARKS.md).
         chunk_bytes: packed bytes per Sum allreduce: a larger bucket is quantized and sent
             chunk by chunk, so Horovod's background thread puts chunk k on the wire while
             chunk k+1 is being quantized.  ``None`` (default) lets the adapter choose:
@@ -179,9 +181,10 @@ class GlobalQSGD:
           ``ValueError`` says which ``bits`` works.
         * **TensorFlow.** Constructed with ``horovod.tensorflow`` already imported, it makes
           Horovod's ``DistributedGradientTape`` and legacy Keras ``DistributedOptimizer``
-          reduce all gradients in one grouped call when they are given a ``GlobalQSGD``
-          (:func:`hvd_gqsgd.tensorflow.group_gradients`: one round per step instead of one
-          per gradient; results are the same).  Constructed earlier, it warns once.
+          reduce gradients in grouped calls when they are given a ``GlobalQSGD``
+          (:func:`hvd_gqsgd.tensorflow.group_gradients`: one round per bucket inside
+          ``tf.function``, one per step eagerly, instead of one per gradient; results are the
+          same).  Constructed earlier, it warns once.
         * Non-float and empty tensors pass through unchanged (Horovod reduces them as usual).
           NaN/Inf on any rank gives NaN on every rank for its whole scale block (the whole
           tensor with ``scale_block=0`` or below 1024 elements), so AMP's loss scaler still

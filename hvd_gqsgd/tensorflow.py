@@ -398,8 +398,8 @@ class TensorFlowBackend:
         return True  # wait() is the identity: nothing to wait for on the Python side
 
     def auto_bucket_bytes(self) -> int:
-        # DistributedGradientTape and Keras hand over all gradients after backward has ended
-        # (one grouped call), so there is no backward left to overlap: one bucket per round
+        # Each grouped Horovod call hands over its gradients at once, so a round is one
+        # bucket; inside tf.function, group_gradients makes one call per bucket (buckets)
         return 0
 
     def allreduce_sum_async(self, words: Any, name: str, process_set: Any) -> Any:
