@@ -99,9 +99,11 @@ def group_gradients(late: bool = False) -> None:
 def buckets(grads: Sequence[Any], limit: int) -> list[list[int]] | None:
     """Indices of ``grads`` grouped into buckets of at least ``limit`` bytes (the last may be
     smaller), walking from the last gradient back, as backward produces them: the rule by
-    which the engine seals a bucket from ``compress``.  Each bucket lists its indices in
-    ascending order; ``None`` gradients are left out.  ``None`` when a gradient's size is not
-    known at trace time or it is sparse (``tf.IndexedSlices``): then all go in one group."""
+    which the engine seals a bucket from ``compress``.  Each bucket lists its indices in that
+    order too, last first, so that compressing a bucket's tensors in list order seals it
+    exactly at its end, never partway.  ``None`` gradients are left out.  ``None`` when a
+    gradient's size is not known at trace time or it is sparse (``tf.IndexedSlices``): then
+    all go in one group."""
     out: list[list[int]] = []
     current: list[int] = []
     queued = 0
@@ -114,10 +116,10 @@ def buckets(grads: Sequence[Any], limit: int) -> list[list[int]] | None:
         current.append(i)
         queued += g.shape.num_elements() * g.dtype.size
         if queued >= limit:
-            out.append(current[::-1])
+            out.append(current)
             current, queued = [], 0
     if current:
-        out.append(current[::-1])
+        out.append(current)
     return out
 
 

@@ -316,9 +316,12 @@ def test_buckets_walk_back_from_the_last_gradient():
 
     grads = [tf.zeros([128]), tf.zeros([16]), None, tf.zeros([16], tf.float16), tf.zeros([1])]
     # bytes: 512, 64, -, 32, 4; from the back: 4+32+64 = 100 >= 60, then 512
-    assert buckets(grads, 60) == [[1, 3, 4], [0]]
+    assert buckets(grads, 60) == [[4, 3, 1], [0]]
     assert buckets(grads, 1) == [[4], [3], [1], [0]]
-    assert buckets(grads, 10**9) == [[0, 1, 3, 4]]
+    assert buckets(grads, 10**9) == [[4, 3, 1, 0]]
+    # in list order, the engine's rule fills each bucket exactly: a bucket whose first
+    # tensor reached ``limit`` alone would be split in two
+    assert buckets([tf.zeros([128]), tf.zeros([1])], 60) == [[1, 0]]
     assert buckets([None, None], 60) == []
     sparse = tf.IndexedSlices(tf.zeros([2, 4]), tf.constant([0, 3]), tf.constant([8, 4]))
     assert buckets([tf.zeros([4]), sparse], 60) is None
@@ -329,3 +332,54 @@ def test_buckets_walk_back_from_the_last_gradient():
         return x
 
     unknown(tf.zeros([3]))
+
+
+
+_SEALS = """
+import json
+import horovod.tensorflow as hvd
+import tensorflow as tf
+from hvd_gqsgd import GlobalQSGD
+from hvd_gqsgd.engine import Engine
+from hvd_gqsgd.tensorflow import buckets, tape_sources
+hvd.init()
+sealed = []
+seal = Engine._seal
+def spy(self):
+    sealed.append([e.numel for e in self._round.queued])
+    seal(self)
+Engine._seal = spy
+tf.keras.utils.set_random_seed(0)
+model = tf.keras.Sequential([tf.keras.layers.Dense(16, activation="tanh"),
+                             tf.keras.layers.Dense(1)])
+model(tf.zeros([1, 8]))
+variables = tape_sources(model.trainable_variables)  # 512, 64, 64 and 4 bytes
+comp = GlobalQSGD(bits=8, bucket_bytes=60)
+@tf.function
+def step(x):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(model(x) ** 2)
+    return hvd.DistributedGradientTape(tape, compression=comp).gradient(loss, variables)
+step(tf.ones([4, 8]))
+planned = buckets(variables, 60)
+print(json.dumps({"planned": planned, "sealed": sealed,
+                  "numel": [int(tf.size(v)) for v in variables]}))
+"""
+
+
+def test_each_traced_bucket_is_sealed_whole():
+    """Inside ``tf.function`` with an explicit ``bucket_bytes``, the tape makes one grouped
+    call per :func:`buckets` group and the engine seals exactly those groups: a group whose
+    first-compressed tensor reached the limit alone would be sealed in two pieces (two scale
+    exchanges and two code allreduces where one was planned)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _SEALS], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["planned"] == [[3, 2], [1], [0]]
+    assert out["sealed"] == [[out["numel"][i] for i in group] for group in out["planned"]]
