@@ -204,6 +204,7 @@ class GlobalQSGD:
         self.process_set = process_set
         self._uid = next(GlobalQSGD._instances)
         self._engines: dict[str, Engine] = {}  # framework name -> its engine
+        self._by_type: dict[type, Engine] = {}  # tensor type -> its framework's engine
         self._lock = threading.Lock()
         if "horovod.tensorflow" in sys.modules:  # TF is loaded already: importing is free
             importlib.import_module("hvd_gqsgd.tensorflow").group_gradients()
@@ -245,9 +246,13 @@ class GlobalQSGD:
         return total
 
     def _engine_for(self, tensor: Any) -> Engine:
+        engine = self._by_type.get(type(tensor))  # twice per tensor per step: keep it short
+        if engine is not None:
+            return engine
         framework = type(tensor).__module__.split(".")[0]
         engine = self._engines.get(framework)
         if engine is not None:
+            self._by_type[type(tensor)] = engine
             return engine
         if framework not in _ADAPTERS:
             raise TypeError(
@@ -262,6 +267,7 @@ class GlobalQSGD:
         with self._lock:
             engine = self._engines.setdefault(
                 framework, Engine(backend, self.settings, self.process_set, self._uid))
+        self._by_type[type(tensor)] = engine
         return engine
 
 
