@@ -63,6 +63,13 @@ class Backend(core.TensorOps, Protocol):
     def nbytes(self, t: Any) -> int: ...
     def global_process_set(self) -> Any: ...
     def probe(self, values: Sequence[float], like: Any) -> Any: ...
+    # Horovod's probe for one compressed tensor: a float64 tensor of ``values`` that no
+    # other tensor of the round shares (Horovod may reduce it in place), valid until
+    # end_round; the backend may hand it out again in a later round.  end_round(True): the
+    # round's results are all taken, so none of its probes is in a collective any more;
+    # end_round(False): the round failed and some may still be (never reuse those).
+    def round_probe(self, values: Sequence[float], like: Any) -> Any: ...
+    def end_round(self, clean: bool) -> None: ...
     def probe_factor(self, reduced: Any, world_size: int) -> Any: ...
     # local norm of each segment of flat (counts: elements per segment; the segments are the
     # tensors unless Settings.scale_block cuts them), +inf if non-finite, then ``extra``
@@ -160,7 +167,7 @@ class Stats:
             setattr(self, f"total_{f}", getattr(self, f"total_{f}") + figures[f])
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: made once per tensor per step
 class Entry:
     """One compressed tensor: the ``ctx`` that ``compress`` returns to Horovod."""
 
@@ -271,9 +278,9 @@ class Engine:
                 if r.pending:
                     self._advance()
             except BaseException:
-                self._round = _Round()  # as in decompress: all ranks fail here together
+                self._abandon()  # as in decompress: all ranks fail here together
                 raise
-        return b.probe(core.probe_values(rank), tensor), entry
+        return b.round_probe(core.probe_values(rank), tensor), entry
 
     def decompress(self, reduced_probe: Any, ctx: Entry | None) -> Any:
         """Return the reduced gradient for ``ctx``; seals what is still queued and waits for
@@ -292,12 +299,13 @@ class Engine:
                     self._advance()  # now, not once every earlier bucket is decoded
                 if bucket.decoded is None:
                     self._decode(bucket)
-                with self._round.timing("quantize_s"):
-                    out = self._rescale(bucket, ctx, reduced_probe)
+                r, start = self._round, time.perf_counter()  # not timing(): once per tensor
+                out = self._rescale(bucket, ctx, reduced_probe)
+                r.figures["quantize_s"] += time.perf_counter() - start
             except BaseException:
                 # Every rank fails at the same point (same sizes, same probe), so start the
                 # next round clean on all of them rather than carry a broken queue.
-                self._round = _Round()
+                self._abandon()
                 raise
             self._release(bucket, ctx)
         return out
@@ -482,6 +490,11 @@ class Engine:
             raise ValueError(f"this rank is not in GlobalQSGD's process set {pset}")
         return pset.rank(), pset.size(), pset
 
+    def _abandon(self) -> None:
+        """Drop the round in progress after an error (its probes may still be in flight)."""
+        self._round = _Round()
+        self.backend.end_round(False)
+
     def _release(self, bucket: Bucket, entry: Entry) -> None:
         entry.tensor = None
         bucket.remaining -= 1
@@ -492,6 +505,7 @@ class Engine:
         if r.outstanding == 0 and not r.queued:
             self.stats.add_round(r.figures, r.tensors)
             self._round = _Round()
+            self.backend.end_round(True)
             if self.backend.stable_names():
                 # Eager: restart names so Horovod's response cache sees the same ones each
                 # step.  While tracing a graph, names must stay unique within the process.

@@ -20,6 +20,7 @@ from . import core, kernels
 __all__ = ["Rescaled", "TorchLocal", "TorchOps", "TwoStageSums", "host_empty"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+PROBE_BLOCK = 64  # ProbeRows' first block
 
 
 def host_empty(shape: int | tuple[int, ...], dtype: type) -> torch.Tensor:
@@ -27,6 +28,43 @@ def host_empty(shape: int | tuple[int, ...], dtype: type) -> torch.Tensor:
     (huge pages on large buffers, where a fresh 64 MB torch.empty buffer filled once cost
     30 ms more here), and recycled once nothing holds it."""
     return torch.from_numpy(kernels.host_array(shape, dtype))
+
+
+class ProbeRows:
+    """Horovod's per-tensor probes of one value and device, kept from round to round.
+
+    Horovod reduces each probe in place, so no two tensors of a round may share one; but a
+    fresh tensor per gradient tensor per step was what made many small tensors slow: with
+    300 of them on 2 ranks, a freshly built 2-element tensor per gradient cost as much step
+    time as Horovod's own fp16 cast (``benchmarks/small_tensors.py``), and the same tensors
+    reused cost nothing.  So the probes are rows of blocks made once (``PROBE_BLOCK`` rows,
+    then doubling); ``take`` hands out the next row, and ``refill``, once the round's
+    results are all taken, writes the values back into the rows used (one copy per block),
+    which the next round hands out again in the same order."""
+
+    def __init__(self, values: Sequence[float], device: torch.device) -> None:
+        self.template = torch.tensor(values, dtype=torch.float64, device=device)
+        self.blocks: list[torch.Tensor] = []
+        self.rows: list[torch.Tensor] = []
+        self.used = 0
+
+    def take(self) -> torch.Tensor:
+        if self.used == len(self.rows):
+            block = self.template.repeat(max(PROBE_BLOCK, len(self.rows)), 1)
+            self.blocks.append(block)
+            self.rows.extend(block.unbind(0))
+        row = self.rows[self.used]
+        self.used += 1
+        return row
+
+    def refill(self) -> None:
+        start = 0
+        for block in self.blocks:
+            if start >= self.used:
+                break
+            block.copy_(self.template.expand_as(block))
+            start += block.shape[0]
+        self.used = 0
 
 
 class TorchOps:
@@ -100,6 +138,7 @@ class TorchLocal(TorchOps):
         # fused path: counter-based noise, keyed per bucket (core.NoiseKeys or alike)
         self._keys = core.NoiseKeys(seed) if keys is None else keys
         self._probes: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
+        self._rows: dict[tuple[tuple[float, ...], torch.device], ProbeRows] = {}
 
     def is_compressible(self, t: Any) -> bool:
         return t.dtype in _FLOATS and t.numel() > 0
@@ -114,14 +153,28 @@ class TorchLocal(TorchOps):
         return t.numel() * t.element_size()
 
     def probe(self, values: Sequence[float], like: Any) -> Any:
-        # A fresh tensor every time (Horovod reduces it in place), cloned from a cached one:
-        # cloning costs a fifth of building a tensor from a list, once per gradient tensor.
+        # A fresh tensor every time (a collective may reduce it in place), cloned from a
+        # cached one: cloning costs a fifth of building a tensor from a list.
         key = (tuple(values), like.device)
         template = self._probes.get(key)
         if template is None:
             template = torch.tensor(values, dtype=torch.float64, device=like.device)
             self._probes[key] = template
         return template.clone()
+
+    def round_probe(self, values: Sequence[float], like: Any) -> Any:
+        key = (tuple(values), like.device)
+        rows = self._rows.get(key)
+        if rows is None:
+            rows = self._rows[key] = ProbeRows(values, like.device)
+        return rows.take()
+
+    def end_round(self, clean: bool) -> None:
+        if clean:
+            for rows in self._rows.values():
+                rows.refill()
+        else:  # some may still be in a collective: never hand those out again
+            self._rows.clear()
 
     def probe_factor(self, reduced: Any, world_size: int) -> Any:
         return core.check_probe(reduced.tolist(), world_size)

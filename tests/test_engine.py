@@ -197,3 +197,43 @@ def test_a_failure_in_compress_resets_the_round():
     with pytest.raises(RuntimeError, match="ranks compressed different tensors"):
         eng.compress(_grid(100, 1))  # the error surfaces where the exchange is waited for
     assert eng._round.pending == [] and eng._round.queued == []
+
+
+def test_probes_are_reused_only_after_their_round():
+    """Horovod reduces each probe in place.  Within a round every tensor gets a probe of its
+    own (no shared memory); once the round's results are all taken, the next round hands
+    the same tensors out again, their values restored; after a failed round none of its
+    probes comes back, since some may still be inside a collective."""
+    from hvd_gqsgd.torch_ops import PROBE_BLOCK
+
+    b = OneRank()
+    eng = _engine(b)
+    xs = [_grid(10, i) for i in range(PROBE_BLOCK + 36)]  # two blocks of rows
+
+    def compress_all():
+        probes = [eng.compress(x) for x in xs]
+        assert all(p.tolist() == [1.0, 1.0] for p, _ in probes)  # one rank: [1, rank + 1]
+        assert len({p.data_ptr() for p, _ in probes}) == len(xs)
+        b.finish()
+        return probes
+
+    first = compress_all()
+    for x, (p, ctx) in zip(xs, first):
+        p.fill_(0.5)  # reduced in place, as by a postscale of 1/2: a factor of 1/2
+        torch.testing.assert_close(eng.decompress(p, ctx), x / 2, rtol=1e-6, atol=1e-9)
+    second = compress_all()  # values restored
+    assert [p.data_ptr() for p, _ in second] == [p.data_ptr() for p, _ in first]
+    for x, (p, ctx) in zip(xs[:3], second[:3]):
+        torch.testing.assert_close(eng.decompress(p, ctx), x, rtol=1e-6, atol=1e-9)
+    with pytest.raises(ValueError, match="op=Sum or op=Average"):
+        eng.decompress(torch.tensor([1.0, 5.0], dtype=torch.float64), second[3][1])
+    failed = {p.data_ptr() for p, _ in second}
+    third = compress_all()  # the failed round's probes may be in flight: all new
+    assert not {p.data_ptr() for p, _ in third} & failed
+    for x, (p, ctx) in zip(xs, third):
+        torch.testing.assert_close(eng.decompress(p, ctx), x, rtol=1e-6, atol=1e-9)
+    fourth = compress_all()  # after a clean round: its probes again, never the failed one's
+    assert [p.data_ptr() for p, _ in fourth] == [p.data_ptr() for p, _ in third]
+    for x, (p, ctx) in zip(xs, fourth):
+        torch.testing.assert_close(eng.decompress(p, ctx), x, rtol=1e-6, atol=1e-9)
+    assert eng.stats.rounds == 3
