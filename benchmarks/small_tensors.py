@@ -6,6 +6,15 @@ layers) with DistributedOptimizer, GlobalQSGD(bits=8) vs uncompressed, on unthro
 Prints the median step time of each and their ratio (goal: <= 1.5x), then one JSON line
 per compressor (``--compressors``: names as in benchmarks/bench_common.py, e.g.
 ``gqsgd8b0k`` for ``bucket_bytes=0``; benchmarks/deep_bench.py reads them).
+
+``floor`` is not a compressor but the part of a GlobalQSGD step that no local speed-up
+removes: Horovod gets the same 2-element probe per tensor, and after backward the first
+``decompress`` makes the same two blocking collectives (a MAX allreduce of one float64 per
+tensor plus two, then a Sum allreduce of the bucket's packed 8-bit words), but nothing is
+quantized and the gradients stay local.  GlobalQSGD's own work is the gap between it and
+``gqsgd8``.  Its probes are made once and reused, as GlobalQSGD's are
+(``hvd_gqsgd.torch_ops.ProbeRows``); ``floorfresh`` builds a fresh one per tensor per step
+instead, which is what GlobalQSGD did before.
 """
 
 from __future__ import annotations
@@ -18,6 +27,41 @@ import time
 import horovod.torch as hvd
 import torch
 from bench_common import compressor
+
+from hvd_gqsgd import core
+
+
+class Floor:
+    """Horovod's side of a GlobalQSGD round without GlobalQSGD's work (see the docstring).
+    Not a compressor: decompress returns the local gradient."""
+
+    def __init__(self, fresh: bool = False) -> None:
+        self.queued: list[torch.Tensor] = []
+        self.exchanged = False
+        self.fresh = fresh
+        self.probes: list[torch.Tensor] = []  # made once and reused, unless fresh
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.queued.append(tensor)
+        if self.fresh or len(self.probes) < len(self.queued):
+            probe = torch.tensor(core.probe_values(hvd.rank()), dtype=torch.float64)
+            if self.fresh:
+                return probe, tensor
+            self.probes.append(probe)
+        return self.probes[len(self.queued) - 1], tensor
+
+    def decompress(self, probe: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+        if not self.exchanged:
+            n = len(self.queued)
+            hvd.allreduce(torch.zeros(n + 2, dtype=torch.float64), name="floor.scale",
+                          op=hvd.Max)
+            words = core.packed_words(sum(t.numel() for t in self.queued), 8)
+            hvd.allreduce(torch.zeros(words, dtype=torch.int64), name="floor.codes", op=hvd.Sum)
+            self.exchanged = True
+        self.queued.pop()
+        if not self.queued:
+            self.exchanged = False
+        return tensor
 
 
 def step_times(compression, steps: int, warmup: int) -> list[float]:
@@ -51,14 +95,16 @@ def main() -> None:
     results: dict[str, list[float]] = {}
     for _ in range(2):  # interleave to even out machine noise
         for name in names:
-            results.setdefault(name, []).extend(
-                step_times(compressor(name, hvd), args.steps, args.warmup))
+            comp = (Floor(fresh=name == "floorfresh") if name.startswith("floor")
+                    else compressor(name, hvd))
+            results.setdefault(name, []).extend(step_times(comp, args.steps, args.warmup))
     if hvd.rank() == 0:
         med = {k: statistics.median(v) for k, v in results.items()}
         for name in names[1:]:
+            goal = " (goal <= 1.5x)" if name.startswith("gqsgd") else ""
             print(f"300 tensors, {hvd.size()} ranks: none {1e3 * med['none']:.2f} ms/step, "
                   f"{name} {1e3 * med[name]:.2f} ms/step, "
-                  f"ratio {med[name] / med['none']:.2f}x (goal <= 1.5x)")
+                  f"ratio {med[name] / med['none']:.2f}x{goal}")
         for name in names:
             print(json.dumps({"what": f"small_{name}", "median_s": med[name],
                               "ranks": hvd.size()}), flush=True)
