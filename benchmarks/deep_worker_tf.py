@@ -4,6 +4,10 @@ The same deep MLP (``--depth`` x ``Linear(width, width)`` + Tanh, as plain varia
 variables break Horovod's tape, see the README), trained with ``hvd.DistributedGradientTape``
 in ``tf.function`` with Horovod's default arguments.  ``compute`` is the same step with a
 plain ``tf.GradientTape``.  Rank 0 prints one JSON line per variant, named ``tf_deep_<name>``.
+``process_cpu_s`` is the CPU a step of all the rank's threads together (TF's executor runs
+the step on a pool, so there is no one model thread to single out as the PyTorch worker
+does), averaged over the ranks: on one core per rank, a value near the step time says the
+core, not the link, sets the step.
 """
 
 from __future__ import annotations
@@ -55,25 +59,27 @@ def run(name: str, args: argparse.Namespace) -> dict:
             p.assign_sub(args.lr * g)
         return loss
 
-    loss_start, times = held_out_loss(), []
+    loss_start, times, cpu = held_out_loss(), [], 0.0
     barrier = tf.zeros([1])
     for i in range(args.steps + 1):
         x = tf.random.stateless_normal([args.batch, args.width], seed=[hvd.rank(), i])
         hvd.allreduce(barrier, name="barrier")
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         step(x)
         if i:  # the first step traces and warms up
             times.append(time.perf_counter() - start)
+            cpu += (time.process_time() - cpu_start) / args.steps
     slowest = hvd.allreduce(tf.constant(statistics.median(times)), op=hvd.Max,
                             name=f"t.{name}")
+    cpu = hvd.allreduce(tf.constant(cpu, tf.float64), name=f"c.{name}")  # mean over ranks
     return {"what": f"tf_deep_{name}", "median_s": float(slowest), "loss_start": loss_start,
-            "loss_end": held_out_loss(), "ranks": hvd.size(),
+            "process_cpu_s": float(cpu), "loss_end": held_out_loss(), "ranks": hvd.size(),
             "grad_mb": sum(int(tf.size(p)) * 4 for p in params) / 2**20,
             "tensors": len(params)}
 
 
 def main() -> None:
-    args = deep_args("compute,none,fp16,gqsgd8")
+    args = deep_args("compute,none,fp16,gqsgd8,gqsgd8b0k")
     hvd.init()
     for name in args.compressors.split(","):
         row = run(name, args)
