@@ -115,10 +115,9 @@ def annotate(rows: list[dict], framework: str, hosts: int, rate: str) -> list[di
     out = []
     for name, r in by.items():
         wire = wire_seconds(r, name, hosts, RATES[rate])
-        own = {} if "main_cpu_s" not in compute_row else {
-            "compute_cpu_s": compute_row["main_cpu_s"]}
-        if "process_cpu_s" in compute_row:
-            own["compute_cpu_s"] = compute_row["process_cpu_s"]
+        # the model's own CPU a step: PyTorch's model thread, or all of TF's threads
+        cpu = compute_row.get("main_cpu_s", compute_row.get("process_cpu_s"))
+        own = {} if cpu is None else {"compute_cpu_s": cpu}
         out.append({**r, "name": name, "framework": framework, "hosts": hosts, "rate": rate,
                     "vs_none": by["none"]["median_s"] / r["median_s"],
                     "vs_fp16": by["fp16"]["median_s"] / r["median_s"],
@@ -227,8 +226,7 @@ def tf_cpu_lines(gq: dict, none: dict | None, torch_gq: dict) -> list[str]:
     need = none["median_s"] / (0.85 * torch_gq["vs_none"])
     return [f"- TF GQ8, CPU a step: {cpu:.3f} s over all threads (mean over ranks) against a "
             f"step of {step:.3f} s (the model alone {compute:.3f} s of CPU): the rank's one "
-            f"core is "
-            f"busy {100 * cpu / step:.0f}% of the step.  Within 15% of PyTorch's none/GQ8 "
+            f"core is busy {100 * cpu / step:.0f}% of the step.  Within 15% of PyTorch's none/GQ8 "
             f"needs a step <= {need:.3f} s, which leaves {need - compute:.3f} s of CPU a step "
             f"for Horovod's threads and GlobalQSGD together, against {cpu - compute:.3f} s "
             f"measured"]

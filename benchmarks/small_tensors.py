@@ -43,12 +43,15 @@ class Floor:
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.queued.append(tensor)
-        if self.fresh or len(self.probes) < len(self.queued):
-            probe = torch.tensor(core.probe_values(hvd.rank()), dtype=torch.float64)
-            if self.fresh:
-                return probe, tensor
-            self.probes.append(probe)
+        if self.fresh:
+            return self._new_probe(), tensor
+        if len(self.probes) < len(self.queued):
+            self.probes.append(self._new_probe())
         return self.probes[len(self.queued) - 1], tensor
+
+    @staticmethod
+    def _new_probe() -> torch.Tensor:
+        return torch.tensor(core.probe_values(hvd.rank()), dtype=torch.float64)
 
     def decompress(self, probe: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
         if not self.exchanged:
