@@ -40,6 +40,7 @@ node, codes summed across nodes only, so ``L`` is set by the node count.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -85,6 +86,9 @@ class Backend(core.TensorOps, Protocol):
     def auto_bucket_bytes(self) -> int: ...
     def check_layout(self, reduced: Any) -> Any: ...
     def flat_concat(self, tensors: Sequence[Any]) -> Any: ...
+    # a bucket's flat_concat, valid until end_round (the backend may fill the same memory
+    # again in a later round, as with round_probe)
+    def round_flat(self, tensors: Sequence[Any]) -> Any: ...
     # quantize + pack a bucket (mult: L/s per segment); core.encode or a fused kernel
     # after: the previous chunk's words, which a graph backend must run this encode after, so
     # that that chunk's allreduce is launched before the next chunk is quantized
@@ -196,6 +200,7 @@ class Bucket:
     remaining: int = 0
     total: int = 0
     name: str = ""  # prefix of the bucket's collectives' names
+    fingerprint: float = 0.0  # core.layout_fingerprint of its tensors' sizes and dtypes
     # two-stage (hvd_gqsgd.two_stage): the plan while the reduce-scatter is in flight, and the
     # gathered messages' layout, whose parts (not segments) carry the decode's steps
     plan: core.TwoStagePlan | None = None
@@ -211,6 +216,17 @@ class Bucket:
 
 
 _SCALING, _SCATTERING, _SENT = range(3)
+_LAYOUTS = 64  # bucket layouts an engine remembers (Engine._layout)
+
+
+@dataclass(frozen=True, eq=False)
+class _Layout:
+    """What a bucket's tensor sizes and dtypes alone decide (Engine._layout)."""
+
+    counts: list[int]  # elements per scale segment (core.segments); read, never changed
+    first: list[int]  # tensor i owns segments first[i]:first[i + 1]
+    offsets: list[int]  # tensor i starts at element offsets[i]; the last entry: the total
+    fingerprint: float  # core.layout_fingerprint, exchanged with the scales
 
 
 @dataclass
@@ -218,6 +234,7 @@ class _Round:
     """Mutable state of the round in progress (guarded by Engine._lock)."""
 
     rank: int | None = None  # this rank in the process set, read at the round's first compress
+    limit: int = 0  # input bytes that seal a bucket from compress (0: none), read with rank
     queued: list[Entry] = field(default_factory=list)
     queued_bytes: int = 0
     pending: list[Bucket] = field(default_factory=list)  # sealed, not yet _SENT, in order
@@ -248,6 +265,7 @@ class Engine:
         self._round = _Round()
         self._serial = 0  # names the next bucket's collectives
         self._lock = threading.RLock()
+        self._layouts: dict[tuple[tuple[int, ...], tuple[str, ...]], _Layout] = {}
 
     # ----------------------------------------------------------------- compress / decompress
 
@@ -264,16 +282,13 @@ class Engine:
         with self._lock:
             r = self._round
             if r.rank is None:  # once per round: Horovod's process-set queries cost ~15 us
-                r.rank = self._world()[0]
+                r.rank, r.limit = self._world()[0], self._limit()
             rank = r.rank
             r.queued.append(entry)
             r.queued_bytes += entry.nbytes
             r.outstanding += 1
-            r.tensors += 1
-            r.figures["uncompressed"] += entry.nbytes
-            r.figures["overhead"] += core.PROBE_BYTES
             try:
-                if self._full(r):
+                if r.limit and r.queued_bytes >= r.limit:
                     self._seal()
                 if r.pending:
                     self._advance()
@@ -299,9 +314,17 @@ class Engine:
                     self._advance()  # now, not once every earlier bucket is decoded
                 if bucket.decoded is None:
                     self._decode(bucket)
-                r, start = self._round, time.perf_counter()  # not timing(): once per tensor
-                out = self._rescale(bucket, ctx, reduced_probe)
-                r.figures["quantize_s"] += time.perf_counter() - start
+                # the bucket is rescaled whole at its first tensor (one backend call, where a
+                # call per tensor cost a deep model's many small tensors more than their
+                # allreduce), then each tensor is a slice of it
+                b, start = self.backend, time.perf_counter()  # not timing(): once per tensor
+                if bucket.rescaled is None:
+                    bucket.rescaled = b.rescale_bucket(
+                        bucket.decoded, bucket.steps, bucket.counts,
+                        [e.tensor for e in bucket.entries], reduced_probe, bucket.world_size)
+                out = b.take(bucket.rescaled, ctx.offset, ctx.tensor, reduced_probe,
+                             bucket.world_size)
+                self._round.figures["quantize_s"] += time.perf_counter() - start
             except BaseException:
                 # Every rank fails at the same point (same sizes, same probe), so start the
                 # next round clean on all of them rather than carry a broken queue.
@@ -312,26 +335,15 @@ class Engine:
 
     # ----------------------------------------------------------------- internals
 
-    def _rescale(self, bucket: Bucket, ctx: Entry, reduced_probe: Any) -> Any:
-        """``ctx``'s lane sums times its segments' steps times the op's factor (the probe):
-        the bucket is rescaled whole at its first tensor (one backend call, where a call per
-        tensor cost a deep model's many small tensors more than their allreduce), then each
-        tensor is a slice of it."""
-        b = self.backend
-        if bucket.rescaled is None:
-            bucket.rescaled = b.rescale_bucket(
-                bucket.decoded, bucket.steps, bucket.counts, [e.tensor for e in bucket.entries],
-                reduced_probe, bucket.world_size)
-        return b.take(bucket.rescaled, ctx.offset, ctx.tensor, reduced_probe, bucket.world_size)
-
-    def _full(self, r: _Round) -> bool:
-        """Whether the queue is a bucket to seal now: ``bucket_bytes`` reached.  Decided from
-        this round's tensors alone, which every rank has in common (a rank that elastic adds
-        mid-run has no history: one learned from earlier rounds would bucket differently)."""
+    def _limit(self) -> int:
+        """Queued input bytes that make a bucket to seal from compress (0: never; the first
+        decompress seals).  Decided from settings and this round's tensors alone, which every
+        rank has in common (a rank that elastic adds mid-run has no history: a limit learned
+        from earlier rounds would bucket differently)."""
         limit = self.settings.bucket_bytes
         if limit is None:
             limit = 0 if self.settings.hierarchical else self.backend.auto_bucket_bytes()
-        return bool(limit) and r.queued_bytes >= limit
+        return limit
 
     def _decode(self, bucket: Bucket) -> None:
         """Wait for a _SENT bucket's last collective and decode it, once per bucket."""
@@ -364,18 +376,21 @@ class Engine:
         summing = tree.cross_size if tree else size
         two = two_stage.chosen(self.settings, summing, "nodes" if tree else "ranks")
         n_levels = 0 if two else core.levels(self.settings.bits, summing)
-        entries, r.queued, r.queued_bytes = r.queued, [], 0
+        entries = r.queued
+        r.tensors += len(entries)
+        r.figures["uncompressed"] += r.queued_bytes
+        r.figures["overhead"] += core.PROBE_BYTES * len(entries)
+        r.queued, r.queued_bytes = [], 0
+        layout = self._layout(entries)
         bucket = Bucket(entries=entries, rank=rank, world_size=size, n_levels=n_levels,
-                        remaining=len(entries), name=name, two=two, pset=pset)
-        bucket.counts, first = core.segments([e.numel for e in entries],
-                                             self.settings.scale_block)
-        offset = 0
+                        remaining=len(entries), name=name, two=two, pset=pset,
+                        counts=layout.counts, total=layout.offsets[-1],
+                        fingerprint=layout.fingerprint)
+        first, offsets = layout.first, layout.offsets
         for i, e in enumerate(entries):
-            e.bucket, e.index, e.stop, e.offset = bucket, first[i], first[i + 1], offset
-            offset += e.numel
-        bucket.total = offset
+            e.bucket, e.index, e.stop, e.offset = bucket, first[i], first[i + 1], offsets[i]
         with r.timing("quantize_s"):
-            flat = self.backend.flat_concat([e.tensor for e in entries])
+            flat = self.backend.round_flat([e.tensor for e in entries])
         if tree is not None:
             hierarchical.reduce(self.backend, self.settings, tree, bucket, flat, name, pset, r,
                                 two)
@@ -445,11 +460,9 @@ class Engine:
         (``Backend.check_layout``, when it is waited for)."""
         b = self.backend
         tensors = [e.tensor for e in bucket.entries]
-        layout = core.layout_fingerprint([e.numel for e in bucket.entries],
-                                         [b.dtype_name(t) for t in tensors])
         with self._round.timing("quantize_s"):
             norms = b.local_norms(tensors, flat, bucket.counts, self.settings.norm,
-                                  [layout, -layout])
+                                  [bucket.fingerprint, -bucket.fingerprint])
         return b.allreduce_max_async(norms, name, pset)
 
     def _send_codes(self, bucket: Bucket, flat: Any, scales: Any, name: str, pset: Any) -> None:
@@ -470,6 +483,24 @@ class Engine:
                              bucket.rank, after=words)
             bucket.handles.append(
                 b.allreduce_sum_async(words, name if whole else f"{name}{i}", pset))
+
+    def _layout(self, entries: list[Entry]) -> _Layout:
+        """The scale segments, offsets and fingerprint of a bucket of these tensors' sizes
+        and dtypes, made once per layout (a model's buckets repeat every step, and working
+        them out again cost a 300-tensor bucket ~0.2 ms)."""
+        b = self.backend
+        numels = tuple(e.numel for e in entries)
+        dtypes = tuple(b.dtype_name(e.tensor) for e in entries)
+        key = (numels, dtypes)
+        layout = self._layouts.get(key)
+        if layout is None:
+            if len(self._layouts) >= _LAYOUTS:  # a program that never repeats a layout
+                self._layouts.clear()
+            counts, first = core.segments(numels, self.settings.scale_block)
+            layout = self._layouts[key] = _Layout(
+                counts, first, list(itertools.accumulate(numels, initial=0)),
+                core.layout_fingerprint(numels, dtypes))
+        return layout
 
     def _tree(self, rank: int, size: int, pset: Any, name: str) -> hierarchical.Tree | None:
         """COLLECTIVE with ``Settings.hierarchical``: the node layout (see

@@ -294,10 +294,8 @@ def _exchange_scales(call: _Call, bucket: Any, norm: str, mine: core.Chunk, node
     """Step 3, COLLECTIVE: per-segment MAX over nodes (and shard parts) of the node sums'
     norms, plus the layout pair; one vector as long as flat Global-QSGD's."""
     b, n_segments = call.backend, len(bucket.counts)
-    tensors = [e.tensor for e in bucket.entries]
-    layout = core.layout_fingerprint([e.numel for e in bucket.entries],
-                                     [b.dtype_name(t) for t in tensors])
-    tail = b.probe([layout, -layout], tensors[0])
+    layout = bucket.fingerprint
+    tail = b.probe([layout, -layout], bucket.entries[0].tensor)
     with call.round.timing("quantize_s"):
         if mine.hi > mine.lo:
             part = b.local_norms([], node_sum, mine.counts, norm, [])

@@ -287,6 +287,9 @@ class TensorFlowBackend:
         dtype = tf.float64 if any(t.dtype == tf.float64 for t in tensors) else tf.float32
         return tf.concat([tf.reshape(tf.cast(t, dtype), [-1]) for t in tensors], 0)
 
+    def round_flat(self, tensors: Sequence[Any]) -> Any:
+        return self.flat_concat(tensors)  # a new tensor: TF owns its memory
+
     def encode(self, flat: Any, mult: Any, counts: Sequence[int], n_levels: int, bits: int,
                rank: int, after: Any = None, pad_to: int | None = None) -> Any:
         if pad_to is not None:  # two-stage: one piece, zero words up to pad_to, no chunks

@@ -237,3 +237,66 @@ def test_probes_are_reused_only_after_their_round():
     for x, (p, ctx) in zip(xs, fourth):
         torch.testing.assert_close(eng.decompress(p, ctx), x, rtol=1e-6, atol=1e-9)
     assert eng.stats.rounds == 3
+
+
+def test_bucket_buffers_are_reused_only_after_their_round():
+    """A CPU bucket of several tensors is copied into a flat buffer kept from round to round
+    (``torch_ops.FlatRows``): two buckets of one layout in a round get two buffers, a clean
+    round's buffers come back the next round in the same order, a failed round's never (one
+    may still be read by a collective), and every round's results are right."""
+    b = OneRank()
+    flats = []
+    real = b.round_flat
+    b.round_flat = lambda tensors: flats.append(real(tensors)) or flats[-1]
+    eng = _engine(b, bucket_bytes=800)
+    shapes = [(10, 10), (100,), (10, 10), (100,), (4, 25)]  # buckets: 2 + 2 + 1 tensors
+    xs = [_grid(100, i).view(s) for i, s in enumerate(shapes)]
+
+    def one_round(fail_at=None):
+        flats.clear()
+        probes = [eng.compress(x) for x in xs]
+        b.finish()
+        for i, (x, (p, ctx)) in enumerate(zip(xs, probes)):
+            if i == fail_at:
+                with pytest.raises(ValueError, match="op=Sum or op=Average"):
+                    eng.decompress(torch.tensor([1.0, 5.0], dtype=torch.float64), ctx)
+                break
+            out = eng.decompress(p, ctx)
+            assert out.shape == x.shape
+            torch.testing.assert_close(out, x, rtol=1e-6, atol=1e-9)
+        return [f.data_ptr() for f in flats]
+
+    def held():  # the round's buffers, as a collective still reading them would hold them
+        return list(flats)
+
+    first = one_round()
+    assert len(first) == 3 and first[0] != first[1]  # one layout, two buffers
+    assert first[2] == xs[4].data_ptr()  # a bucket of one tensor is that tensor, no copy
+    assert one_round() == first
+    failed = one_round(fail_at=1)  # fails in the first bucket: the last is never sealed
+    assert failed == first[:2]
+    in_flight = held()
+    after = one_round()  # the failed round's buffers may be in flight: all new
+    assert not set(after[:2]) & set(failed)
+    del in_flight
+    assert one_round() == after
+    assert eng.stats.rounds == 4
+
+
+def test_bucket_layouts_are_told_apart_by_dtype():
+    """The engine works a bucket's segments and fingerprint out once per layout; tensors of
+    the same sizes in another dtype are another layout (another fingerprint, so ranks that
+    disagree on dtypes still fail the layout check)."""
+    b = OneRank()
+    eng = _engine(b)
+    for dtype in (torch.float32, torch.float64, torch.float32):
+        xs = [_grid(100, i).to(dtype) for i in range(3)]
+        probes = [eng.compress(x) for x in xs]
+        b.finish()
+        for x, (p, ctx) in zip(xs, probes):
+            out = eng.decompress(p, ctx)
+            assert out.dtype == dtype
+            torch.testing.assert_close(out, x, rtol=1e-6, atol=1e-9)
+    layouts = list(eng._layouts.values())
+    assert len(layouts) == 2 and layouts[0].fingerprint != layouts[1].fingerprint
+    assert layouts[0].fingerprint == core.layout_fingerprint([100] * 3, ["float32"] * 3)
