@@ -337,9 +337,9 @@ class Engine:
 
     def _limit(self) -> int:
         """Queued input bytes that make a bucket to seal from compress (0: never; the first
-        decompress seals).  Decided from settings and this round's tensors alone, which every
-        rank has in common (a rank that elastic adds mid-run has no history: a limit learned
-        from earlier rounds would bucket differently)."""
+        decompress seals).  From the settings alone, so that buckets follow from this round's
+        tensors alone, which every rank has in common (a rank that elastic adds mid-run has
+        no history: a limit learned from earlier rounds would bucket differently)."""
         limit = self.settings.bucket_bytes
         if limit is None:
             limit = 0 if self.settings.hierarchical else self.backend.auto_bucket_bytes()
