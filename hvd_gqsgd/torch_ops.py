@@ -25,7 +25,7 @@ PROBE_BLOCK = 64  # ProbeRows' first block
 _FLAT_LAYOUTS = 64  # FlatRows kept at most (one per bucket layout)
 # Larger buckets are built in recycled memory (host_empty), where a round's next bucket
 # reuses the last one's buffer while it is still in cache: a buffer kept per bucket made the
-# deep model's eight 8 MiB buckets (64 MB, out of cache) 2.3 ms a round slower to fill and
+# deep model's eight 8 MiB buckets (64 MB, out of cache) 2-3 ms a round slower to fill and
 # read (benchmarks/engine_cpu.py), and it saves a call per tensor, which only many small
 # tensors feel.
 FLAT_ROWS_MAX_BYTES = 2 << 20
@@ -80,9 +80,10 @@ class FlatRows:
     """Flat bucket buffers of one layout (the tensors' shapes and dtypes), kept from round to
     round, each with a view of it in every tensor's shape, so that filling one is a single
     ``torch._foreach_copy_``: building the flat buffer from the tensors afresh, one reshape
-    per tensor and a ``torch.cat``, cost 0.35 ms of a 300-tensor bucket, this 0.12 ms.  Used
-    like :class:`ProbeRows`: ``take`` fills and hands out the next buffer (two buckets of a
-    round with one layout get two), ``reset`` once the round is over makes them all free."""
+    per tensor and a ``torch.cat``, cost 0.35 ms of a 300-tensor bucket, this 0.19 ms with its
+    lookup.  Used like :class:`ProbeRows`: ``take`` fills and hands out the next buffer (two
+    buckets of a round with one layout get two), ``reset`` once the round is over makes them
+    all free."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
         self.numels = [t.numel() for t in tensors]
