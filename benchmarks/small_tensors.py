@@ -23,6 +23,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import horovod.torch as hvd
 import torch
@@ -67,20 +68,37 @@ class Floor:
         return tensor
 
 
-def step_times(compression, steps: int, warmup: int) -> list[float]:
+def make_compressor(name: str):
+    """``--compressors`` names: ``floor``/``floorfresh`` (see the docstring) or a name of
+    benchmarks/bench_common.py."""
+    if name.startswith("floor"):
+        return Floor(fresh=name == "floorfresh")
+    return compressor(name, hvd)
+
+
+def training_step(compression) -> Callable[[], None]:
+    """The 300-tensor model under ``hvd.DistributedOptimizer``: one training step a call."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(150)])
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
                                    named_parameters=model.named_parameters(),
                                    compression=compression)
     x = torch.randn(16, 32)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    return step
+
+
+def step_times(compression, steps: int, warmup: int) -> list[float]:
+    step = training_step(compression)
     times = []
     for i in range(warmup + steps):
         hvd.allreduce(torch.zeros(1), name="sync")  # start every step together
         start = time.perf_counter()
-        opt.zero_grad()
-        model(x).square().mean().backward()
-        opt.step()
+        step()
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return times
@@ -98,9 +116,8 @@ def main() -> None:
     results: dict[str, list[float]] = {}
     for _ in range(2):  # interleave to even out machine noise
         for name in names:
-            comp = (Floor(fresh=name == "floorfresh") if name.startswith("floor")
-                    else compressor(name, hvd))
-            results.setdefault(name, []).extend(step_times(comp, args.steps, args.warmup))
+            results.setdefault(name, []).extend(
+                step_times(make_compressor(name), args.steps, args.warmup))
     if hvd.rank() == 0:
         med = {k: statistics.median(v) for k, v in results.items()}
         for name in names[1:]:

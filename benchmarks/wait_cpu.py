@@ -23,7 +23,6 @@ import horovod.torch as hvd
 import horovod.torch.mpi_ops as mpi_ops
 import small_tensors
 import torch
-from bench_common import compressor
 
 WAITED = {"cpu": 0.0}
 
@@ -51,20 +50,12 @@ def late_peer(repeats: int = 5) -> list[tuple[float, float]]:
 
 
 def step_cpu(name: str, steps: int = 50, warmup: int = 10) -> tuple[float, float]:
-    comp = small_tensors.Floor() if name == "floor" else compressor(name, hvd)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(150)])
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
-                                   named_parameters=model.named_parameters(),
-                                   compression=comp)
-    x = torch.randn(16, 32)
+    step = small_tensors.training_step(small_tensors.make_compressor(name))
     total = waited = 0.0
     for i in range(warmup + steps):
         hvd.allreduce(torch.zeros(1), name="wait_cpu.step")
         WAITED["cpu"], start = 0.0, time.thread_time()
-        opt.zero_grad()
-        model(x).square().mean().backward()
-        opt.step()
+        step()
         if i >= warmup:
             total += time.thread_time() - start
             waited += WAITED["cpu"]
