@@ -185,6 +185,12 @@ class GlobalQSGD:
           (:func:`hvd_gqsgd.tensorflow.group_gradients`: one round per bucket inside
           ``tf.function``, one per step eagerly, instead of one per gradient; results are the
           same).  Constructed earlier, it warns once.
+        * **Failures.** A step that fails in a collective leaves no state behind: the round is
+          dropped at once if the error surfaces in GlobalQSGD's own waits, else at the next
+          ``compress`` once no ctx of it is held any more (a ``RuntimeWarning`` says so), as
+          after a Horovod elastic reset; names then restart, as on a newly added rank.
+          ``decompress`` refuses (``RuntimeError``) a ctx of a dropped round, or one
+          decompressed already.
         * Non-float and empty tensors pass through unchanged (Horovod reduces them as usual).
           NaN/Inf on any rank gives NaN on every rank for its whole scale block (the whole
           tensor with ``scale_block=0`` or below 1024 elements), so AMP's loss scaler still

@@ -43,6 +43,8 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -50,7 +52,7 @@ from typing import Any, Protocol
 
 from . import core, hierarchical, two_stage
 
-__all__ = ["Backend", "Engine", "Entry", "Stats"]
+__all__ = ["Backend", "Ctx", "Engine", "Entry", "Stats"]
 
 
 class Backend(core.TensorOps, Protocol):
@@ -173,7 +175,7 @@ class Stats:
 
 @dataclass(eq=False, slots=True)  # slots: made once per tensor per step
 class Entry:
-    """One compressed tensor: the ``ctx`` that ``compress`` returns to Horovod."""
+    """One compressed tensor, as the engine keeps it until its ``decompress``."""
 
     tensor: Any  # the input: read when its bucket is flushed, its shape/dtype when rescaled
     numel: int
@@ -182,6 +184,24 @@ class Entry:
     index: int = -1  # its first scale segment inside the bucket
     stop: int = -1  # one past its last scale segment
     offset: int = 0  # element offset inside the bucket's flat buffer
+
+
+class _Ticket:
+    """Held by every :class:`Ctx` of one round and only weakly by the engine: when it is
+    gone, no caller holds any ctx of the round, so none of its tensors can be decompressed."""
+
+    __slots__ = ("__weakref__",)
+
+
+class Ctx:
+    """The ``ctx`` that ``compress`` returns to Horovod: its tensor's :class:`Entry` and the
+    round's ticket.  The engine never holds one, so whether any is still held tells it
+    whether the round can still finish (see :meth:`Engine.compress`)."""
+
+    __slots__ = ("entry", "ticket")
+
+    def __init__(self, entry: Entry, ticket: _Ticket) -> None:
+        self.entry, self.ticket = entry, ticket
 
 
 @dataclass(eq=False)
@@ -234,6 +254,8 @@ class _Round:
     """Mutable state of the round in progress (guarded by Engine._lock)."""
 
     rank: int | None = None  # this rank in the process set, read at the round's first compress
+    # the round's _Ticket, held by its ctxs only; None until the round's first compress
+    ticket: weakref.ref[_Ticket] | None = None
     limit: int = 0  # input bytes that seal a bucket from compress (0: none), read with rank
     queued: list[Entry] = field(default_factory=list)
     queued_bytes: int = 0
@@ -269,11 +291,18 @@ class Engine:
 
     # ----------------------------------------------------------------- compress / decompress
 
-    def compress(self, tensor: Any) -> tuple[Any, Entry | None]:
+    def compress(self, tensor: Any) -> tuple[Any, Ctx | None]:
         """Queue ``tensor``; return Horovod's probe and the ctx.  Non-float and empty tensors
         are returned untouched with ``ctx=None`` so Horovod reduces them as usual.  A full
         bucket is sealed here (its scale exchange starts), and buckets sealed earlier move on
-        as far as their collectives allow, without waiting."""
+        as far as their collectives allow, without waiting.
+
+        A round that no caller can finish any more is dropped first: one whose ctxs are all
+        gone while some of its tensors were never decompressed.  That is what a Horovod
+        elastic reset leaves when a rank fails mid-step outside GlobalQSGD's own waits
+        (``optimizer.load_state_dict`` drops the optimizer's ctxs); carrying such a round on
+        would mix its tensors into the next step's buckets, never end it, and name the next
+        buckets differently from a rank that has just joined."""
         b = self.backend
         if not b.is_compressible(tensor):
             return tensor, None
@@ -281,6 +310,13 @@ class Engine:
         entry = Entry(tensor=tensor, numel=numel, nbytes=b.nbytes(tensor))
         with self._lock:
             r = self._round
+            ticket = r.ticket() if r.ticket is not None else None
+            if ticket is None:  # the round's first compress, or every ctx of it is gone
+                if r.outstanding:
+                    self._drop_dead_round()
+                    r = self._round
+                ticket = _Ticket()
+                r.ticket = weakref.ref(ticket)
             if r.rank is None:  # once per round: Horovod's process-set queries cost ~15 us
                 r.rank, r.limit = self._world()[0], self._limit()
             rank = r.rank
@@ -295,18 +331,29 @@ class Engine:
             except BaseException:
                 self._abandon()  # as in decompress: all ranks fail here together
                 raise
-        return b.round_probe(core.probe_values(rank), tensor), entry
+        return b.round_probe(core.probe_values(rank), tensor), Ctx(entry, ticket)
 
-    def decompress(self, reduced_probe: Any, ctx: Entry | None) -> Any:
+    def decompress(self, reduced_probe: Any, ctx: Ctx | None) -> Any:
         """Return the reduced gradient for ``ctx``; seals what is still queued and waits for
-        ``ctx``'s bucket (and the buckets sealed before it)."""
+        ``ctx``'s bucket (and the buckets sealed before it).  A ctx is decompressed once, in
+        the round that made it (``RuntimeError`` otherwise)."""
         if ctx is None:
             return reduced_probe
+        entry = ctx.entry
         with self._lock:
+            r = self._round
+            if r.ticket is None or r.ticket() is not ctx.ticket or entry.tensor is None:
+                raise RuntimeError(
+                    "GlobalQSGD.decompress got a ctx it cannot finish: "
+                    + ("it was decompressed already" if entry.tensor is None else
+                       "its round was abandoned (an error in a collective, or a Horovod "
+                       "elastic reset, ended it)")
+                    + ". Each ctx that compress() returns goes to decompress() exactly once, "
+                    "in the same step; after a failed step, compress the tensors again.")
             try:
-                if ctx.bucket is None:
+                if entry.bucket is None:
                     self._seal()
-                bucket = ctx.bucket
+                bucket = entry.bucket
                 assert bucket is not None
                 if bucket.stage != _SENT:
                     self._advance(until=bucket)
@@ -322,7 +369,7 @@ class Engine:
                     bucket.rescaled = b.rescale_bucket(
                         bucket.decoded, bucket.steps, bucket.counts,
                         [e.tensor for e in bucket.entries], reduced_probe, bucket.world_size)
-                out = b.take(bucket.rescaled, ctx.offset, ctx.tensor, reduced_probe,
+                out = b.take(bucket.rescaled, entry.offset, entry.tensor, reduced_probe,
                              bucket.world_size)
                 self._round.figures["quantize_s"] += time.perf_counter() - start
             except BaseException:
@@ -330,7 +377,7 @@ class Engine:
                 # next round clean on all of them rather than carry a broken queue.
                 self._abandon()
                 raise
-            self._release(bucket, ctx)
+            self._release(bucket, entry)
         return out
 
     # ----------------------------------------------------------------- internals
@@ -522,9 +569,24 @@ class Engine:
         return pset.rank(), pset.size(), pset
 
     def _abandon(self) -> None:
-        """Drop the round in progress after an error (its probes may still be in flight)."""
+        """Drop the round in progress after an error (its probes may still be in flight).
+        Eager names restart as at a round's end: every rank abandons at the same point, and
+        a rank that Horovod elastic adds after the error starts from the first name too."""
         self._round = _Round()
         self.backend.end_round(False)
+        if self.backend.stable_names():
+            self._serial = 0
+
+    def _drop_dead_round(self) -> None:
+        """Abandon a round whose ctxs are all gone before every tensor was decompressed (see
+        :meth:`compress`); every rank of the set meets the same failure, so every rank drops
+        its round at the same call."""
+        warnings.warn(
+            f"GlobalQSGD dropped an unfinished round: {self._round.outstanding} tensor(s) were "
+            "compressed but never decompressed, and nothing holds their ctx any more (expected "
+            "once after a step that failed, e.g. before a Horovod elastic reset); the tensors "
+            "compressed from now on start a new round.", RuntimeWarning, stacklevel=4)
+        self._abandon()
 
     def _release(self, bucket: Bucket, entry: Entry) -> None:
         entry.tensor = None

@@ -175,9 +175,8 @@ def test_bucket_bytes_zero_and_hierarchical_seal_only_in_decompress():
     # hierarchical's collectives block, so its automatic bucket_bytes is 0 (compress only
     # queues; its decompress needs real Horovod: tests/test_hierarchical.py)
     eng = _engine(OneRank(auto=1), hierarchical=True, chunk_bytes=0)
-    for i in range(3):
-        eng.compress(_grid(50, i))
-    assert eng.backend.log == [] and len(eng._round.queued) == 3
+    held = [eng.compress(_grid(50, i)) for i in range(3)]  # a caller holds its ctxs
+    assert eng.backend.log == [] and len(eng._round.queued) == len(held)
 
 
 def test_bucket_bytes_is_validated():
@@ -191,7 +190,7 @@ def test_bucket_bytes_is_validated():
 def test_a_failure_in_compress_resets_the_round():
     b = OneRank()
     eng = _engine(b, bucket_bytes=400, two_stage=False)
-    eng.compress(_grid(100, 0))
+    held = eng.compress(_grid(100, 0))  # noqa: F841 -- a caller holds its ctx
     b.finish()
     b.handles[0].value[-1] = 1.0  # a layout mismatch: max(h) != -max(-h)
     with pytest.raises(RuntimeError, match="ranks compressed different tensors"):
@@ -300,3 +299,50 @@ def test_bucket_layouts_are_told_apart_by_dtype():
     layouts = list(eng._layouts.values())
     assert len(layouts) == 2 and layouts[0].fingerprint != layouts[1].fingerprint
     assert layouts[0].fingerprint == core.layout_fingerprint([100] * 3, ["float32"] * 3)
+
+
+def test_a_round_nobody_can_finish_is_dropped_at_the_next_compress():
+    """After a step fails outside GlobalQSGD (a Horovod elastic reset drops the optimizer's
+    ctxs), the round holds tensors that no caller can decompress.  The next compress drops it,
+    with a warning: the new round gets none of its tensors, its names start again from the
+    first (as a rank that elastic has just added starts them), its probes are new (the dead
+    round's may still be in a collective), and it ends and counts as a round."""
+    b = OneRank()
+    eng = _engine(b, bucket_bytes=400, two_stage=False)
+    xs = [_grid(100, i) for i in range(3)]  # 400 bytes each: a bucket each
+    dead = [eng.compress(x) for x in xs[:2]]  # both sealed, their scales never come back
+    dead_probes = {p.data_ptr() for p, _ in dead}
+    del dead
+    b.log.clear()
+    with pytest.warns(RuntimeWarning, match="dropped an unfinished round: 2 tensor"):
+        probes = [eng.compress(x) for x in xs]
+    assert b.log[0] == ("max", "gqsgd.0.b0.scale")  # names start again
+    assert not {p.data_ptr() for p, _ in probes} & dead_probes
+    b.finish()
+    for x, (p, ctx) in zip(xs, probes):
+        torch.testing.assert_close(eng.decompress(p, ctx), x, rtol=1e-6, atol=1e-9)
+    assert eng.stats.rounds == 1 and eng.stats.tensors == len(xs)
+
+
+def test_a_ctx_is_finished_once_and_only_in_its_own_round():
+    """A ctx decompressed twice, or one of a round that an error abandoned, is refused with
+    an error that says which; the refusal leaves the round in progress intact.  A round that
+    some caller still holds a ctx of is never dropped."""
+    b = OneRank()
+    eng = _engine(b, bucket_bytes=400, two_stage=False)
+    xs = [_grid(100, i) for i in range(3)]
+    failed = [eng.compress(x) for x in xs]
+    b.finish()
+    with pytest.raises(ValueError, match="op=Sum or op=Average"):
+        eng.decompress(torch.tensor([1.0, 5.0], dtype=torch.float64), failed[0][1])
+    with pytest.raises(RuntimeError, match="its round was abandoned"):
+        eng.decompress(*failed[1])
+    kept = [eng.compress(x) for x in xs]
+    b.finish()
+    eng.decompress(*kept[0])
+    with pytest.raises(RuntimeError, match="decompressed already"):
+        eng.decompress(*kept[0])
+    more = eng.compress(xs[0])  # the round goes on: kept[1:] are still held
+    for p, ctx in [*kept[1:], more]:
+        eng.decompress(p, ctx)
+    assert eng.stats.rounds == 1 and eng.stats.tensors == len(xs) + 1

@@ -145,32 +145,39 @@ def test_launcher_ends_the_job_when_a_rank_is_killed(tmp_path, controller):
 
 
 
-def test_elastic_resize_rereads_world_size(tmp_path):
-    """Horovod elastic grows the job from 2 to 3 ranks mid-training; the same GlobalQSGD object
-    must re-read the size, so levels drop from 63 to 42 and sums stay exact and identical."""
-    hosts = tmp_path / "hosts"
-    hosts.write_text("localhost:2\n")
+def _elastic_job(tmp_path: Path, scenario: str, hosts: str, np_: int, at: int, steps: int
+                 ) -> dict[int, list[dict]]:
+    """Run tests/workers/elastic_worker.py's ``scenario`` (its world changes at step ``at``,
+    it stops after ``steps``) under ``horovodrun`` elastic (Gloo) with a host-discovery
+    script that reads ``hosts``; return its records by step."""
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text(hosts)
     discover = tmp_path / "discover.sh"
-    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.write_text(f"#!/bin/sh\ncat {hosts_file}\n")
     discover.chmod(0o755)
     # --network-interface: without it elastic mode waits for 2 hosts before starting
-    cmd = [str(BIN / "horovodrun"), "--network-interface", "lo", "-np", "2", "--min-np", "2",
-           "--max-np", "3", "--host-discovery-script", str(discover), sys.executable,
-           str(WORKERS / "elastic_worker.py"), str(tmp_path), str(hosts)]
+    cmd = [str(BIN / "horovodrun"), "--network-interface", "lo", "-np", str(np_), "--min-np",
+           "2", "--max-np", "3", "--host-discovery-script", str(discover), sys.executable,
+           str(WORKERS / "elastic_worker.py"), str(tmp_path), str(hosts_file), scenario,
+           str(at), str(steps)]
     proc = subprocess.run(cmd, env=_base_env(), capture_output=True, text=True,
                           timeout=START_TIMEOUT_S + 120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
     by_step: dict[int, list[dict]] = {}
     for path in tmp_path.glob("rank*.jsonl"):
         for line in path.read_text().splitlines():
             e = json.loads(line)
             by_step.setdefault(e["step"], []).append(e)
-    sizes = [by_step[s][0]["size"] for s in sorted(by_step)]
-    assert sizes[0] == 2 and sizes[-1] == 3 and sizes == sorted(sizes), sizes
+    return by_step
+
+
+def _check_elastic_steps(by_step: dict[int, list[dict]]) -> dict[int, dict[int, dict]]:
+    """Every step's last record of each rank (a step interrupted by a reset is repeated):
+    one per rank of that step's size, exact sums through the compressor at that size's
+    levels, and the same parameters on every rank."""
+    last_by_step = {}
     for step, entries in sorted(by_step.items()):
         size = entries[0]["size"]
-        # a step interrupted by the reset is repeated; keep the last record of each rank
         last = {e["rank"]: e for e in entries}
         assert sorted(last) == list(range(size)) and {e["size"] for e in entries} == {size}
         level = {2: 63, 3: 42}[size]
@@ -182,3 +189,38 @@ def test_elastic_resize_rereads_world_size(tmp_path):
                                           err_msg=f"step {step} size {size}")
             np.testing.assert_array_equal(e["grid"], exact_grid)
             assert e["hash"] == last[0]["hash"], f"step {step}: ranks disagree"
+        last_by_step[step] = last
+    return last_by_step
+
+
+def test_elastic_resize_rereads_world_size(tmp_path):
+    """Horovod elastic grows the job from 2 to 3 ranks mid-training; the same GlobalQSGD object
+    must re-read the size, so levels drop from 63 to 42 and sums stay exact and identical."""
+    by_step = _elastic_job(tmp_path, "grow", "localhost:2\n", 2, at=3, steps=4)
+    sizes = [by_step[s][0]["size"] for s in sorted(by_step)]
+    assert sizes[0] == 2 and sizes[-1] == 3 and sizes == sorted(sizes), sizes
+    _check_elastic_steps(by_step)
+
+
+def test_elastic_recovers_from_a_rank_killed_mid_step(tmp_path):
+    """A rank dies inside a training step, after the others have compressed that step and
+    started its buckets' exchanges; Horovod elastic resets and a new process takes its
+    place.  The survivors' compressor must drop the step it can never finish (not carry it
+    into the repeated step, where its tensors, its unfinished round and its collective names
+    would disagree with the newcomer's fresh compressor), and every later step must be
+    exact and identical on all ranks."""
+    at, steps = 3, 7
+    by_step = _elastic_job(tmp_path, "replace", "localhost:2\n127.0.0.1:1\n", 3, at, steps)
+    assert sorted(by_step) == list(range(steps)), sorted(by_step)
+    last = _check_elastic_steps(by_step)
+    assert all(e["size"] == 3 for step in last.values() for e in step.values())
+    before = {e["pid"] for e in last[at - 1].values()}
+    after = {e["pid"] for e in last[at].values()}
+    assert len(before & after) == 2 and len(after - before) == 1, (before, after)
+    # One round per hvd.allreduce and one per optimizer step, every step, on every rank:
+    # a survivor's round that never ended would stop the count.
+    newcomer = (after - before).pop()
+    for step in range(at, steps):
+        for e in last[step].values():
+            first = at if e["pid"] == newcomer else 0
+            assert e["rounds"] == 3 * (step - first + 1), (step, e)
