@@ -9,9 +9,10 @@ Usage: ``elastic_worker.py OUT_DIR HOSTS_FILE SCENARIO AT STEPS``, where SCENARI
 * ``replace``: the job starts on ``localhost:2`` plus ``127.0.0.1:1``.  Rank 0 offers a third
   slot on localhost at step ``AT - 1`` (``--max-np 3`` keeps it unused), and at step ``AT``
   the rank on 127.0.0.1 dies in its first gradient hook, while the others compress that
-  step and seal buckets (small ``bucket_bytes``) whose exchanges can never finish.  Horovod elastic blacklists 127.0.0.1, the survivors restore their
-  state and reset, and a new process takes the free localhost slot: in the repeated step it
-  starts with a fresh compressor, next to survivors whose compressor holds the dead step.
+  step and seal buckets (small ``bucket_bytes``) whose exchanges can never finish.
+  Horovod elastic blacklists 127.0.0.1, the survivors restore their state and reset, and a
+  new process takes the free localhost slot: in the repeated step it starts with a fresh
+  compressor, next to survivors whose compressor holds the dead step.
   The job ends after ``STEPS`` steps in all.
 
 Every step, each rank appends one JSON line to ``OUT_DIR/rank{r}.{pid}.jsonl``: the world
