@@ -12,7 +12,8 @@ Usage: ``elastic_worker.py OUT_DIR HOSTS_FILE SCENARIO AT STEPS``, where SCENARI
   step and seal buckets (small ``bucket_bytes``) whose exchanges can never finish.
   Horovod elastic blacklists 127.0.0.1, the survivors restore their state and reset, and a
   new process takes the free localhost slot: in the repeated step it starts with a fresh
-  compressor, next to survivors whose compressor holds the dead step.
+  compressor, next to survivors whose compressor holds the dead step (or, if the driver
+  starts it later, at a later step, after the survivors went on at 2 ranks).
   The job ends after ``STEPS`` steps in all.
 
 Every step, each rank appends one JSON line to ``OUT_DIR/rank{r}.{pid}.jsonl``: the world
@@ -89,13 +90,16 @@ def main() -> None:
             if rank == 0 and scenario == "grow" and state.step == at:
                 with open(hosts_file, "w") as f:
                     f.write("localhost:3\n")
-            if rank == 0 and scenario == "replace" and state.step == at - 1:
+            offer = scenario == "replace" and state.step == at - 1
+            if rank == 0 and offer:
                 with open(hosts_file, "w") as f:
                     f.write(f"localhost:3\n{VICTIM_HOST}:1\n")
             state.step += 1
             if size == 3:
                 state.full_steps += 1
-            time.sleep(0.2)  # give the driver's discovery poll time to see the new host
+            # give the driver's discovery poll (every second) time to see the new host; before
+            # the kill, long enough that the new slot is known when the rank dies
+            time.sleep(2.5 if offer else 0.2)
             state.commit()
 
     train(state)
