@@ -15,21 +15,34 @@ quantized and the gradients stay local.  GlobalQSGD's own work is the gap betwee
 ``gqsgd8``.  Its probes are made once and reused, as GlobalQSGD's are
 (``hvd_gqsgd.torch_ops.ProbeRows``); ``floorfresh`` builds a fresh one per tensor per step
 instead, which is what GlobalQSGD did before.
+
+``floorcpu`` is ``floor`` plus busy work as long as GlobalQSGD's own CPU a round, measured
+in the same process beforehand without Horovod (benchmarks/engine_cpu.py's one-rank engine
+on this model's gradients; printed): its ``compress`` share spread over the ``compress``
+calls, its ``decompress`` share at the first ``decompress``, before the exchanges.  Where
+``gqsgd8`` lands on ``floorcpu``, its step is Horovod's part plus its own measured CPU, as
+much as that CPU costs on these 2 shared cores, and nothing else; reaching a ratio then
+needs ``floorcpu`` itself to reach it.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
 from collections.abc import Callable
 
+import engine_cpu
 import horovod.torch as hvd
 import torch
 from bench_common import compressor
 
 from hvd_gqsgd import core
+from hvd_gqsgd.engine import Engine
+
+WIDTH, DEPTH = 32, 150  # the model: DEPTH Linear(WIDTH, WIDTH) layers
 
 
 class Floor:
@@ -68,9 +81,48 @@ class Floor:
         return tensor
 
 
+class FloorCPU(Floor):
+    """``floor`` plus busy work standing for GlobalQSGD's own CPU (see the docstring)."""
+
+    def __init__(self, compress_s: float, decompress_s: float, tensors: int) -> None:
+        super().__init__()
+        self.per_compress = compress_s / tensors
+        self.decompress_s = decompress_s
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _busy(self.per_compress)
+        return super().compress(tensor)
+
+    def decompress(self, probe: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+        if not self.exchanged:
+            _busy(self.decompress_s)
+        return super().decompress(probe, tensor)
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+@functools.cache
+def own_cpu(rounds: int = 50) -> tuple[float, float]:
+    """GlobalQSGD(8)'s own CPU a round on this model's gradients, without Horovod (one-rank
+    engine, benchmarks/engine_cpu.py): median seconds in its compress calls and in its
+    decompress calls."""
+    engine = Engine(engine_cpu.Local(seed=0), core.Settings(bits=8), None, uid=0)
+    grads = engine_cpu.gradients(WIDTH, DEPTH)
+    for _ in range(5):  # compile the kernels, fill the caches
+        engine_cpu.split_round(engine, grads)
+    splits = [engine_cpu.split_round(engine, grads) for _ in range(rounds)]
+    return tuple(statistics.median(part) for part in zip(*splits))  # type: ignore[return-value]
+
+
 def make_compressor(name: str):
-    """``--compressors`` names: ``floor``/``floorfresh`` (see the docstring) or a name of
-    benchmarks/bench_common.py."""
+    """``--compressors`` names: ``floor``/``floorfresh``/``floorcpu`` (see the docstring) or
+    a name of benchmarks/bench_common.py."""
+    if name == "floorcpu":
+        return FloorCPU(*own_cpu(), tensors=2 * DEPTH)
     if name.startswith("floor"):
         return Floor(fresh=name == "floorfresh")
     return compressor(name, hvd)
@@ -79,11 +131,11 @@ def make_compressor(name: str):
 def training_step(compression) -> Callable[[], None]:
     """The 300-tensor model under ``hvd.DistributedOptimizer``: one training step a call."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(150)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
                                    named_parameters=model.named_parameters(),
                                    compression=compression)
-    x = torch.randn(16, 32)
+    x = torch.randn(16, WIDTH)
 
     def step() -> None:
         opt.zero_grad()
@@ -113,12 +165,20 @@ def main() -> None:
     hvd.init()
     torch.set_num_threads(1)
     names = args.compressors.split(",")
+    if "floorcpu" in names:
+        own_cpu()  # before any step, on every rank alike
     results: dict[str, list[float]] = {}
     for _ in range(2):  # interleave to even out machine noise
         for name in names:
             results.setdefault(name, []).extend(
                 step_times(make_compressor(name), args.steps, args.warmup))
     if hvd.rank() == 0:
+        if "floorcpu" in names:
+            c, d = own_cpu()
+            print(f"GlobalQSGD's own CPU a round without Horovod (floorcpu's busy work): "
+                  f"{1e3 * (c + d):.2f} ms ({1e3 * c:.2f} in compress, {1e3 * d:.2f} in "
+                  "decompress)")
+            print(json.dumps({"what": "small_own_cpu", "compress_s": c, "decompress_s": d}))
         med = {k: statistics.median(v) for k, v in results.items()}
         for name in names[1:]:
             goal = " (goal <= 1.5x)" if name.startswith("gqsgd") else ""
