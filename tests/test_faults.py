@@ -209,7 +209,7 @@ def test_elastic_recovers_from_a_rank_killed_mid_step(tmp_path):
     later one.  The survivors' compressor must drop the step it can never finish (not carry
     it into the repeated step, where its tensors, its unfinished round and its collective
     names would disagree with a newcomer's fresh compressor), and every step must be exact
-    and identical on all ranks, with one round per step and allreduce on every rank."""
+    and identical on all ranks, with one round per optimizer step and per allreduce."""
     at, steps = 3, 7
     by_step = _elastic_job(tmp_path, "replace", "localhost:2\n127.0.0.1:1\n", 3, at, steps)
     assert sorted(by_step) == list(range(steps)), sorted(by_step)
