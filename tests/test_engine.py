@@ -311,13 +311,13 @@ def test_a_round_nobody_can_finish_is_dropped_at_the_next_compress():
     eng = _engine(b, bucket_bytes=400, two_stage=False)
     xs = [_grid(100, i) for i in range(3)]  # 400 bytes each: a bucket each
     dead = [eng.compress(x) for x in xs[:2]]  # both sealed, their scales never come back
-    dead_probes = {p.data_ptr() for p, _ in dead}
-    del dead
+    in_flight = [p for p, _ in dead]  # the probes, as a collective still holding them would
+    del dead  # the ctxs go, as elastic's state restore drops them
     b.log.clear()
     with pytest.warns(RuntimeWarning, match="dropped an unfinished round: 2 tensor"):
         probes = [eng.compress(x) for x in xs]
     assert b.log[0] == ("max", "gqsgd.0.b0.scale")  # names start again
-    assert not {p.data_ptr() for p, _ in probes} & dead_probes
+    assert not {p.data_ptr() for p, _ in probes} & {p.data_ptr() for p in in_flight}
     b.finish()
     for x, (p, ctx) in zip(xs, probes):
         torch.testing.assert_close(eng.decompress(p, ctx), x, rtol=1e-6, atol=1e-9)
