@@ -53,12 +53,13 @@ def register(net: DDP, name: str) -> Any:
         net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     elif name.startswith("gqsgd"):
         import hvd_gqsgd.ddp as hook_module
+        import hvd_gqsgd.torch_dist as transport
 
         m = re.fullmatch(r"gqsgd(\d+)(ts|flat)?(-rs)?", name)
         if m is None:
             raise ValueError(f"unknown variant {name!r}: gqsgd<bits>[ts|flat][-rs]")
         # -rs: the two-stage reduce-scatter as Gloo's reduce_scatter instead of all_to_all
-        hook_module.GLOO_REDUCE_SCATTER = "reduce_scatter" if m.group(3) else "all_to_all"
+        transport.GLOO_REDUCE_SCATTER = "reduce_scatter" if m.group(3) else "all_to_all"
         state = hook_module.GlobalQSGDState(
             bits=int(m.group(1)), two_stage={"ts": True, "flat": False, None: None}[m.group(2)])
         net.register_comm_hook(state, hook_module.global_qsgd_hook)

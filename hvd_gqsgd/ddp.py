@@ -6,70 +6,35 @@ r"""Global-QSGD as a PyTorch DDP communication hook.  Needs torch only, no Horov
 It mirrors ``PowerSGDState`` + ``powerSGD_hook``: a small state object (settings, the rank's
 noise stream, :class:`hvd_gqsgd.engine.Stats`) and a hook that DDP calls once per gradient
 bucket during backward.  The algorithm and every formula are the Horovod path's
-(:mod:`hvd_gqsgd.core`, and :mod:`hvd_gqsgd.kernels` for CPU tensors); this module only
-translates a flat ``GradBucket`` into them and issues ``torch.distributed`` collectives.
+(:mod:`hvd_gqsgd.core`, and :mod:`hvd_gqsgd.kernels` for CPU tensors); the state and the
+collective steps are :mod:`hvd_gqsgd.torch_dist`'s, shared with the FSDP2 hook
+(:mod:`hvd_gqsgd.fsdp`).  This module only translates a ``GradBucket`` into them and keeps
+DDP's order of collectives.
 
 Importing this module imports torch and ``torch.distributed``, never Horovod or TensorFlow.
 """
 
 # No ``from __future__ import annotations``: DDP's register_comm_hook compares the hook's
 # annotations with ``dist.GradBucket`` and ``Future[Tensor]`` objects, not strings.
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import core, kernels
+from . import core, torch_dist
 from . import two_stage as _two_stage
-from .engine import FIGURES, Stats
-from .torch_ops import TorchLocal, TorchOps, host_empty
+from .torch_dist import Transport
 
 __all__ = ["GlobalQSGDState", "global_qsgd_hook"]
 
 
-_OPS = TorchOps()  # the core's primitives as torch ops (shared with hvd_gqsgd.torch)
-
-
-@dataclass
-class _Layout:
-    """Scale segments of one bucket layout (cached: DDP keeps a bucket's layout fixed once it
-    has rebuilt its buckets after the first iteration)."""
-
-    numels: list[int]  # per gradient tensor, in bucket order
-    counts: list[int]  # elements per scale segment (core.segments)
-    first: list[int]  # tensor i owns segments first[i]:first[i+1]
-    total: int
-    segment_ids: dict[torch.device, torch.Tensor] = field(default_factory=dict)  # generic path
-
-    def segment_of(self, device: torch.device) -> torch.Tensor:
-        """Segment index of every element (int64, ``total`` long; generic path only)."""
-        ids = self.segment_ids.get(device)
-        if ids is None:
-            counts = torch.tensor(self.counts, device=device)
-            ids = torch.repeat_interleave(torch.arange(len(self.counts), device=device), counts,
-                                          output_size=self.total)
-            self.segment_ids[device] = ids
-        return ids
-
-
-@dataclass
-class _Step:
-    """Figures of the DDP step in progress; a step ends when the bucket that DDP marks
-    ``is_last()`` and every earlier one are decoded."""
-
-    figures: dict[str, float] = field(default_factory=lambda: dict.fromkeys(FIGURES, 0))
-    tensors: int = 0
-    pending: int = 0  # buckets whose Sum all_reduce has not been decoded yet
-    closing: bool = False  # the step's last bucket has entered the hook
-
-
-class GlobalQSGDState:
-    """State of :func:`global_qsgd_hook` for one DDP model.
+class GlobalQSGDState(Transport):
+    """State of :func:`global_qsgd_hook` for one DDP model: a
+    :class:`~hvd_gqsgd.torch_dist.Transport` (settings, the rank's noise stream,
+    :class:`hvd_gqsgd.engine.Stats`) plus the two-stage buckets in flight.
 
     Example::
 
@@ -110,107 +75,25 @@ class GlobalQSGDState:
     checkpoint loaded on every rank still gives independent noise.
     """
 
-    _TRANSIENT = ("process_group", "_key_base", "_layouts", "_generators", "_lock", "_step",
-                  "_local", "_pending")
+    _TRANSIENT = (*Transport._TRANSIENT, "_pending")
 
     def __init__(self, process_group: Any = None, bits: int = 8, norm: str = "max",
                  seed: int | None = None,
                  scale_block: int = core.DEFAULT_SCALE_BLOCK,
                  chunk_bytes: int | None = core.DEFAULT_CHUNK_BYTES,
                  two_stage: bool | None = None) -> None:
-        # settings: validated once, immutable
-        self.settings = core.Settings(bits=bits, norm=norm, seed=seed, scale_block=scale_block,
-                                      chunk_bytes=chunk_bytes, two_stage=two_stage)
-        self.process_group = process_group
-        # cumulative figures, one round per DDP step (engine.Stats: bytes and seconds)
-        self.stats = Stats()
-        # noise: bucket k of this rank is keyed core.noise_key(base, serial); base comes from
-        # (seed, rank) at the first bucket, the serial survives checkpoints
-        self._key_serial = 0
-        self._reset_transient()
+        super().__init__(core.Settings(bits=bits, norm=norm, seed=seed, scale_block=scale_block,
+                                       chunk_bytes=chunk_bytes, two_stage=two_stage),
+                         process_group)
         if process_group is not None or dist.is_initialized():  # fail here, not in backward
-            size = self._group_size()
+            size = self.group_size(process_group)
             if not _two_stage.chosen(self.settings, size):
                 core.levels(bits, size)
 
     def _reset_transient(self) -> None:
-        self._key_base: int | None = None
-        self._layouts: dict[tuple[int, ...], _Layout] = {}
-        self._generators: dict[torch.device, torch.Generator] = {}  # generic path only
-        self._lock = threading.Lock()  # guards _step: decodes run on the backend's threads
-        self._step = _Step()
-        # two-stage: the local steps (TorchLocal: kernels or torch ops, this state's noise
-        # keys), and the buckets whose reduce-scatter is in flight, finished by the next hook
-        self._local = TorchLocal(self.settings.seed, keys=self)
+        super()._reset_transient()
+        # two-stage: the buckets whose reduce-scatter is in flight, finished by the next hook
         self._pending: list[_TwoStageBucket] = []
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in self._TRANSIENT}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.process_group = None  # the default group, read when the hook runs
-        self._reset_transient()
-
-    # ----------------------------------------------------------------- used by the hook
-
-    def _group_size(self) -> int:
-        size = dist.get_world_size(self.process_group)
-        if size < 1:  # torch answers -1 on a rank outside the group
-            raise ValueError(f"this rank ({dist.get_rank()}) is not in GlobalQSGDState's "
-                             "process_group: build the state (and DDP) "
-                             "only on the group's ranks")
-        return size
-
-    def next(self, rank: int) -> int:
-        """The noise-key stream interface of :class:`hvd_gqsgd.core.NoiseKeys` (for
-        :class:`TorchLocal`): this state's next key; ``rank`` is already in its base."""
-        return self._next_key()
-
-    def _next_key(self) -> int:
-        """This rank's 64-bit noise key for the next bucket (counter-based, see kernels)."""
-        if self._key_base is None:
-            self._key_base = core.rank_seed(self.settings.seed, dist.get_rank())
-        self._key_serial += 1
-        return core.noise_key(self._key_base, self._key_serial)
-
-    def _layout(self, numels: list[int]) -> _Layout:
-        key = tuple(numels)
-        layout = self._layouts.get(key)
-        if layout is None:
-            counts, first = core.segments(numels, self.settings.scale_block)
-            layout = _Layout(numels, counts, first, sum(numels))
-            self._layouts[key] = layout
-        return layout
-
-    def _uniform(self, like: torch.Tensor, key: int) -> torch.Tensor:
-        """Generic path: uniforms in [0, 1) for a bucket, from a generator re-seeded with the
-        bucket's key, so the stream is a function of (seed, rank, serial) as on CPU."""
-        gen = self._generators.get(like.device)
-        if gen is None:
-            gen = self._generators[like.device] = torch.Generator(device=like.device)
-        gen.manual_seed(key >> 1)  # manual_seed takes 63 bits
-        return torch.rand(like.shape, dtype=like.dtype, device=like.device, generator=gen)
-
-    def _begin(self, tensors: int, last: bool, figures: dict[str, float]) -> None:
-        with self._lock:
-            self._step.pending += 1
-            self._step.tensors += tensors
-            self._step.closing |= last
-            self._add(figures)
-
-    def _end(self, figures: dict[str, float]) -> None:
-        with self._lock:
-            step = self._step
-            self._add(figures)
-            step.pending -= 1
-            if step.closing and step.pending == 0:
-                self.stats.add_round(step.figures, step.tensors)
-                self._step = _Step()
-
-    def _add(self, figures: dict[str, float]) -> None:
-        for name, value in figures.items():
-            self._step.figures[name] += value
 
 
 def global_qsgd_hook(state: GlobalQSGDState,
@@ -265,9 +148,8 @@ def global_qsgd_hook(state: GlobalQSGDState,
         * NaN/Inf in a block on any rank: that block is NaN on every rank, so AMP's
           ``GradScaler`` skips the step everywhere.
         * The group: ``state.process_group`` must be the group DDP was given.
-        * Memory, CUDA path: an int64 block index per bucket element is cached per bucket
-          layout (8 bytes per gradient element), plus a uniform and a code per element
-          while a bucket is quantized.
+        * Memory, torch-ops path (CUDA): while a bucket is quantized, a multiplier, a
+          uniform and a code per element exist at once; nothing per element outlives it.
 
     Tuning: ``bits=8`` sends 4x fewer bytes than fp32 and keeps 63 levels at 2 ranks, 15 at
     8; ``bits=4`` halves the bytes again with far coarser steps (3 levels at 2 ranks).  A
@@ -281,101 +163,30 @@ def global_qsgd_hook(state: GlobalQSGDState,
     """
     start = time.perf_counter()
     bits, group = state.settings.bits, state.process_group
-    size = state._group_size()
+    size = state.group_size(group)
     two = _two_stage.chosen(state.settings, size)
     n_levels = 0 if two else core.levels(bits, size)  # ValueError naming the bits that work
     buffer = bucket.buffer()
-    layout = state._layout([g.numel() for g in bucket.gradients()])
-    if layout.total != buffer.numel():
-        raise RuntimeError(f"GlobalQSGD: the bucket's gradients hold {layout.total} elements "
+    numels = [g.numel() for g in bucket.gradients()]
+    counts, _ = state.segments(numels)
+    if sum(numels) != buffer.numel():
+        raise RuntimeError(f"GlobalQSGD: the bucket's gradients hold {sum(numels)} elements "
                            f"but its buffer {buffer.numel()}; DDP's bucket layout changed")
     # fp16/bf16 are quantized in fp32 (a copy); fp32/fp64 buffers are read in place
     flat = buffer if buffer.dtype in (torch.float32, torch.float64) else buffer.float()
-    fused = flat.device.type == "cpu" and kernels.available()
-    norms = _local_norms(flat, layout, state.settings.norm, fused)
-    scaled = time.perf_counter()
-    dist.all_reduce(norms, op=dist.ReduceOp.MAX, group=group)  # COLLECTIVE, blocking
+    norms, waited = torch_dist.exchange_scales(state, flat, counts, group)  # COLLECTIVE
     exchanged = time.perf_counter()
+    local_s = exchanged - start - waited
     if two:
-        return _two_stage_hook(state, bucket, buffer, flat, layout, norms, size,
-                               (scaled - start, exchanged - scaled))
-    steps = core.step_sizes(_OPS, norms, n_levels) / size  # value of one summed code
-    mult = core.multipliers(_OPS, norms, n_levels).to(flat.dtype)  # L / s per segment
-    chunk_bytes = state.settings.chunk_bytes
-    if chunk_bytes is None:
-        chunk_bytes = core.AUTO_CHUNK_BYTES if fused else 0
-    decoded = []
-    for c in core.chunk_plan(layout.counts, bits, chunk_bytes):
-        words = _encode(state, flat, mult, layout, c, n_levels, fused)
-        future = dist.all_reduce(words, op=dist.ReduceOp.SUM, group=group,
-                                 async_op=True).get_future()  # COLLECTIVE
-        decoded.append(future.then(_decoder(state, flat, steps, layout, c, fused)))
-        if len(decoded) == 1:
-            launched = time.perf_counter()  # the wire starts working here
-    state._begin(len(layout.numels), bucket.is_last(), {
+        return _two_stage_hook(state, bucket, buffer, flat, numels, counts, norms, size,
+                               (local_s, waited))
+    decoded, launched = torch_dist.sum_chunks(state, flat, norms, counts, n_levels, size,
+                                              group)  # COLLECTIVE
+    state.begin(len(numels), bucket.is_last(), {
         "uncompressed": buffer.numel() * buffer.element_size(),
-        "payload": core.wire_bytes(layout.total, bits), "overhead": 8 * len(layout.counts),
-        "quantize_s": (scaled - start) + (launched - exchanged),
-        "scale_wait_s": exchanged - scaled})
+        "payload": core.wire_bytes(buffer.numel(), bits), "overhead": 8 * len(counts),
+        "quantize_s": local_s + (launched - exchanged), "scale_wait_s": waited})
     return torch.futures.collect_all(decoded).then(_finisher(state, buffer, flat, launched))
-
-
-def _local_norms(flat: torch.Tensor, layout: _Layout, norm: str, fused: bool) -> torch.Tensor:
-    """Step 1: float64 norm per scale segment, ``inf`` where a segment is not finite (MAX
-    reductions may drop NaN: ``a > NaN`` is false; ``inf`` always wins)."""
-    if fused:
-        return torch.from_numpy(kernels.segment_norms(flat.numpy(), np.asarray(layout.counts),
-                                                      norm))
-    ids = layout.segment_of(flat.device)
-    out = torch.zeros(len(layout.counts), dtype=torch.float64, device=flat.device)
-    if norm == "max":
-        magnitude = torch.where(torch.isfinite(flat), flat.abs(), torch.inf)
-        out.scatter_reduce_(0, ids, magnitude.double(), "amax")
-        return out
-    # squares in fp64: a finite fp32 block must not overflow its own L2 norm
-    out.index_add_(0, ids, flat.double().square())
-    return torch.nan_to_num(out.sqrt(), nan=torch.inf)
-
-
-def _encode(state: GlobalQSGDState, flat: torch.Tensor, mult: torch.Tensor, layout: _Layout,
-            c: core.Chunk, n_levels: int, fused: bool) -> torch.Tensor:
-    """Step 3 for chunk ``c`` of the bucket: int64 words of its codes, with a noise key of
-    its own (each chunk's stream starts at its first element)."""
-    bits, key = state.settings.bits, state._next_key()
-    part = flat[c.lo:c.hi]
-    if fused:
-        words = host_empty(core.packed_words(c.hi - c.lo, bits), np.int64)
-        kernels.quantize_pack(part.numpy(), np.asarray(c.counts), mult[c.first:c.stop].numpy(),
-                              n_levels, bits, key, words.numpy())
-        return words
-    per_element = mult[layout.segment_of(flat.device)[c.lo:c.hi]]
-    return core.encode(_OPS, part, per_element, state._uniform(part, key), n_levels, bits)
-
-
-def _decoder(state: GlobalQSGDState, flat: torch.Tensor, steps: torch.Tensor,
-             layout: _Layout, c: core.Chunk,
-             fused: bool) -> Callable[[torch.futures.Future], tuple[float, float]]:
-    """Step 5 for chunk ``c``, as the callback of its SUM all_reduce's future: its lane sums
-    times ``steps`` into its slice of ``flat`` (the bucket's buffer itself for fp32/fp64).
-    Chunks write disjoint slices, so their callbacks may run concurrently.  Returns when the
-    chunk arrived and how long decoding it took (for the stats)."""
-    bits = state.settings.bits
-
-    def decode(future: torch.futures.Future) -> tuple[float, float]:
-        arrived = time.perf_counter()
-        summed = future.value()[0]
-        scale = steps.to(flat.dtype)  # as the kernels do: lane * float(step), rounded once
-        out = flat[c.lo:c.hi]
-        if fused:
-            kernels.Summed(summed.numpy(), bits).unpack_bucket(out.numpy(), layout.counts,
-                                                               scale.numpy(), start=c.lo)
-        else:
-            sums = core.unpack(_OPS, summed, bits, c.hi - c.lo)
-            per_element = scale[layout.segment_of(flat.device)[c.lo:c.hi]]
-            torch.mul(sums.to(flat.dtype), per_element, out=out)
-        return arrived, time.perf_counter() - arrived
-
-    return decode
 
 
 def _finisher(state: GlobalQSGDState, buffer: torch.Tensor, flat: torch.Tensor,
@@ -388,23 +199,14 @@ def _finisher(state: GlobalQSGDState, buffer: torch.Tensor, flat: torch.Tensor,
         timings = [chunk.wait() for chunk in chunks.value()]  # raises what a decode raised
         if flat is not buffer:
             buffer.copy_(flat)
-        state._end({"codes_wait_s": max(t for t, _ in timings) - launched,
-                    "quantize_s": sum(d for _, d in timings) + time.perf_counter() - start})
+        state.end({"codes_wait_s": max(t for t, _ in timings) - launched,
+                   "quantize_s": sum(d for _, d in timings) + time.perf_counter() - start})
         return buffer
 
     return finish
 
 
 # --------------------------------------------------------------------------- two-stage
-
-# How a Gloo group reduce-scatters (benchmarks/ddp_bench.py measures both): "all_to_all"
-# (default) or "reduce_scatter", torch's reduce_scatter_single, which Gloo runs as a whole
-# all_reduce of the input, and blocking: its work has no future
-GLOO_REDUCE_SCATTER = "all_to_all"
-# torch >= 2.13 names them *_single; earlier releases only have the older names
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 @dataclass(eq=False)
 class _TwoStageBucket:
@@ -421,32 +223,33 @@ class _TwoStageBucket:
 
 
 def _two_stage_hook(state: GlobalQSGDState, bucket: dist.GradBucket, buffer: torch.Tensor,
-                    flat: torch.Tensor, layout: _Layout, norms: torch.Tensor, size: int,
-                    local_s: tuple[float, float]) -> torch.futures.Future[torch.Tensor]:
+                    flat: torch.Tensor, numels: list[int], counts: list[int],
+                    norms: torch.Tensor, size: int, local_s: tuple[float, float]
+                    ) -> torch.futures.Future[torch.Tensor]:
     """Two-stage Global-QSGD for one bucket (:mod:`hvd_gqsgd.two_stage`): quantize in wide
-    lanes and launch the reduce-scatter now; the allgather is launched by the *next* hook,
-    on the autograd thread (collectives must be issued there, in bucket order: see the
-    hazards above), by when the reduce-scatter has had the next bucket's backward to run.
-    The last bucket of a step finishes its own."""
+    lanes and launch the reduce-scatter now (the transport's stage 1, the bucket as one row
+    of ``plan.scatter_words`` words); the allgather is launched by the *next* hook, on the
+    autograd thread (collectives must be issued there, in bucket order: see the hazards
+    above), by when the reduce-scatter has had the next bucket's backward to run.  The last
+    bucket of a step finishes its own."""
     begun = time.perf_counter()
-    settings, group, local = state.settings, state.process_group, state._local
-    plan, message_layout = _two_stage.plan_of(
-        ("ddp", tuple(layout.numels), settings.scale_block), layout.counts, size,
-        settings.bits)
-    rank = dist.get_rank(group)
-    steps = core.step_sizes(_OPS, norms, plan.levels1)
-    mult = core.multipliers(_OPS, norms, plan.levels1)
-    words = local.encode(flat, mult, layout.counts, plan.levels1, plan.lane_bits, rank,
-                         pad_to=plan.scatter_words)
-    shard = _reduce_scatter(words, plan, group)  # COLLECTIVE
+    settings, group = state.settings, state.process_group
+    plan, message_layout = _two_stage.plan_of(("ddp", tuple(numels), settings.scale_block),
+                                              counts, size, settings.bits)
+    whole = core.Chunk(0, plan.total, 0, len(counts), tuple(counts))
+    words = torch_dist.scatter_rows(state, flat, norms, [whole], plan.scatter_words,
+                                    plan.levels1, plan.lane_bits)
+    shard = torch_dist.reduce_scatter(words, plan.shard_words, group)  # COLLECTIVE
     launched = time.perf_counter()
-    mine = _TwoStageBucket(torch.futures.Future(), buffer, flat, plan, message_layout, steps,
-                           shard, launched)
-    state._begin(len(layout.numels), bucket.is_last(), {
+    mine = _TwoStageBucket(torch.futures.Future(), buffer, flat, plan, message_layout,
+                           core.step_sizes(torch_dist.OPS, norms, plan.levels1), shard,
+                           launched)
+    state.begin(len(numels), bucket.is_last(), {
         "uncompressed": buffer.numel() * buffer.element_size(), "payload": plan.wire_bytes(),
-        "overhead": 8 * len(layout.counts),
+        "overhead": 8 * len(counts),
         "quantize_s": local_s[0] + (launched - begun), "scale_wait_s": local_s[1]})
     earlier, state._pending = state._pending, [] if bucket.is_last() else [mine]
+    rank = dist.get_rank(group)
     try:
         for pending in earlier + ([mine] if bucket.is_last() else []):
             _all_gather(state, pending, rank)
@@ -454,29 +257,6 @@ def _two_stage_hook(state: GlobalQSGDState, bucket: dist.GradBucket, buffer: tor
         state._pending = []  # every rank fails here together; the next step starts clean
         raise
     return mine.future
-
-
-def _reduce_scatter(words: torch.Tensor, plan: core.TwoStagePlan, group: Any
-                    ) -> torch.futures.Future:
-    """COLLECTIVE, async: the Sum reduce-scatter of ``words`` (``plan.scatter_words``), as a
-    future of this rank's ``plan.shard_words`` summed words.  NCCL: ``reduce_scatter``.
-    Gloo, whose ``reduce_scatter`` runs a full all_reduce (twice the bytes): an
-    ``all_to_all`` of the shards, then the int64 sum of the ``n`` received copies (every
-    lane then holds ``n`` codes in ``[-L1, L1]``, inside its bound)."""
-    n, q = plan.world_size, plan.shard_words
-    gloo = dist.get_backend(group) == dist.Backend.GLOO
-    if not gloo or GLOO_REDUCE_SCATTER == "reduce_scatter":
-        out = torch.empty(q, dtype=torch.int64, device=words.device)
-        work = _reduce_scatter_single(out, words, op=dist.ReduceOp.SUM, group=group,
-                                      async_op=not gloo)
-        if gloo:  # Gloo's reduce_scatter work has no future (Work::getFuture): it blocks
-            done: torch.futures.Future = torch.futures.Future()
-            done.set_result(out)
-            return done
-        return work.get_future().then(lambda _: out)
-    received = torch.empty_like(words)
-    work = dist.all_to_all_single(received, words, group=group, async_op=True)
-    return work.get_future().then(lambda _: received.view(n, q).sum(0))
 
 
 def _all_gather(state: GlobalQSGDState, pending: _TwoStageBucket, rank: int) -> None:
@@ -487,7 +267,7 @@ def _all_gather(state: GlobalQSGDState, pending: _TwoStageBucket, rank: int) -> 
     summed = pending.shard.wait()  # raises what the reduce-scatter raised
     message = _two_stage.requantize(state._local, summed, pending.plan, rank, rank)
     gathered = torch.empty(pending.plan.gather_words, dtype=torch.int64, device=message.device)
-    work = _all_gather_single(gathered, message, group=state.process_group, async_op=True)
+    work = torch_dist.all_gather_single(gathered, message, group=state.process_group, async_op=True)
     requantized = time.perf_counter() - start
     work.get_future().then(_two_stage_finisher(state, pending, gathered, requantized))
 
@@ -507,7 +287,7 @@ def _two_stage_finisher(state: GlobalQSGDState, pending: _TwoStageBucket,
             local.decode_into(decoded, pending.flat, 1.0 / pending.plan.world_size)
             if pending.flat is not pending.buffer:
                 pending.buffer.copy_(pending.flat)
-            state._end({"codes_wait_s": arrived - pending.launched,
+            state.end({"codes_wait_s": arrived - pending.launched,
                         "quantize_s": requantized + time.perf_counter() - arrived})
         except BaseException as e:  # handed to DDP, which raises it where it waits
             pending.future.set_exception(e)

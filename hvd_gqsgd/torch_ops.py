@@ -227,13 +227,17 @@ class TorchLocal(TorchOps):
     def probe_factor(self, reduced: Any, world_size: int) -> Any:
         return core.check_probe(reduced.tolist(), world_size)
 
-    def local_norms(self, tensors: Sequence[Any], flat: Any, counts: Sequence[int], norm: str,
-                    extra: Sequence[float]) -> Any:
+    def local_norms(self, tensors: Sequence[Any] | None, flat: Any, counts: Sequence[int],
+                    norm: str, extra: Sequence[float]) -> Any:
         tail = torch.tensor(extra, dtype=torch.float64, device=flat.device)
         if self._fused(flat):
             vec = torch.from_numpy(kernels.segment_norms(flat.numpy(), np.asarray(counts), norm))
             return torch.cat([vec, tail])
-        parts = list(tensors) if len(counts) == len(tensors) else torch.split(flat, list(counts))
+        parts: Sequence[Any]
+        if tensors is not None and len(counts) == len(tensors):  # a segment per tensor
+            parts = list(tensors)
+        else:
+            parts = torch.split(flat, list(counts))
         norms: Sequence[torch.Tensor]
         if norm == "max":
             norms = torch._foreach_norm(list(parts), float("inf"))
@@ -282,11 +286,15 @@ class TorchLocal(TorchOps):
         return flats.take(tensors)
 
     def encode(self, flat: Any, mult: Any, counts: Sequence[int], n_levels: int, bits: int,
-               rank: int, after: Any = None, pad_to: int | None = None) -> Any:
+               rank: int, after: Any = None, pad_to: int | None = None,
+               out: Any = None) -> Any:
+        """Quantize and pack ``flat`` with one key of the rank's noise stream; ``out``: the
+        int64 words to write (at least ``packed_words`` long, the rest zeroed), else new
+        ones, ``pad_to`` long when given."""
         # eager: runs in call order anyway, so ``after`` needs no dependency here
         size = core.packed_words(flat.numel(), bits)
         if self._fused(flat):  # a longer buffer gets zero codes, hence zero words, at its end
-            words = host_empty(pad_to or size, np.int64)
+            words = host_empty(pad_to or size, np.int64) if out is None else out
             kernels.quantize_pack(flat.numpy(), np.asarray(counts), mult.numpy(), n_levels, bits,
                                   self._keys.next(rank), words.numpy())
             return words
@@ -294,9 +302,27 @@ class TorchLocal(TorchOps):
         per_element = torch.repeat_interleave(mult.to(flat.dtype), counts_t,
                                               output_size=flat.numel())
         words = core.encode(self, flat, per_element, self._uniform(flat, rank), n_levels, bits)
+        if out is not None:
+            out[:size] = words
+            out[size:] = 0
+            return out
         if pad_to and pad_to > size:
             words = torch.cat([words, words.new_zeros(pad_to - size)])
         return words
+
+    def unpack_scaled(self, words: Any, bits: int, out: Any, counts: Sequence[int],
+                      scales: Any) -> None:
+        """The lane sums of summed ``words`` (which may be rewritten) times their segment's
+        entry of ``scales`` (``counts``: elements per segment; ``out``'s dtype) into the flat
+        float32/64 ``out``: each product rounded once, as the kernels compute it."""
+        if self._fused(words):
+            kernels.Summed(words.numpy(), bits).unpack_bucket(out.numpy(), counts,
+                                                              scales.numpy())
+            return
+        sums = core.unpack(self, words, bits, out.numel())
+        per_element = torch.repeat_interleave(
+            scales, torch.tensor(list(counts), device=out.device), output_size=out.numel())
+        torch.mul(sums.to(out.dtype), per_element, out=out)
 
     def auto_chunk_bytes(self, flat: Any) -> int:
         # One Sum allreduce per bucket: chunks measured no faster here (docs/BENCHMARKS.md),
@@ -374,11 +400,13 @@ class TorchLocal(TorchOps):
         return t.device.type == "cpu" and kernels.available()
 
     def _uniform(self, like: Any, rank: int) -> Any:
+        """Generic path: uniforms in [0, 1) for one encode, from a generator re-seeded with
+        the next key of the rank's noise stream, so the stream is a function of (seed, rank,
+        serial) as on the fused path."""
         gen = self._generators.get(like.device)
         if gen is None:
-            gen = torch.Generator(device=like.device)
-            gen.manual_seed(core.rank_seed(self._seed, rank))
-            self._generators[like.device] = gen
+            gen = self._generators[like.device] = torch.Generator(device=like.device)
+        gen.manual_seed(self._keys.next(rank) >> 1)  # manual_seed takes 63 bits
         return torch.rand(like.shape, dtype=like.dtype, device=like.device, generator=gen)
 
     def stable_names(self) -> bool:
