@@ -29,6 +29,7 @@ Hazards:
 
 # No ``from __future__ import annotations``: DDP's register_comm_hook compares the hook's
 # annotations with real objects, and ddp.py builds on the classes here.
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -78,7 +79,8 @@ class Transport:
     key base is re-derived from the loading rank, so a rank-0 checkpoint loaded on every rank
     still gives independent noise."""
 
-    _TRANSIENT: tuple[str, ...] = ("process_group", "_key_base", "_segments", "_lock", "_step", "_local")
+    _TRANSIENT: tuple[str, ...] = ("process_group", "_key_base", "_segments", "_lock", "_step",
+                                   "_local")
 
     def __init__(self, settings: core.Settings, process_group: Any = None) -> None:
         # settings: validated once (core.Settings), immutable
@@ -106,6 +108,22 @@ class Transport:
         self.__dict__.update(state)
         self.process_group = None  # the default (or the framework's) group, read at the call
         self._reset_transient()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to continue this state: the settings (checked on load),
+        the noise serial and the figures."""
+        return {"settings": dataclasses.asdict(self.settings), "key_serial": self._key_serial,
+                "stats": dataclasses.asdict(self.stats)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` of a state with the same settings (else
+        ``ValueError``); the noise continues its stream."""
+        mine = dataclasses.asdict(self.settings)
+        if state_dict["settings"] != mine:
+            raise ValueError(f"the checkpoint's settings {state_dict['settings']} differ from "
+                             f"this state's {mine}")
+        self._key_serial = int(state_dict["key_serial"])
+        self.stats = Stats(**state_dict["stats"])
 
     def group_size(self, group: Any) -> int:
         size = dist.get_world_size(group)

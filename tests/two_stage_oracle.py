@@ -164,3 +164,42 @@ def predicted_variance(xs: list[np.ndarray], numels: list[int], bits: int,
     np.maximum.at(top, seg, np.abs(sums))
     second = float(np.sum((top[seg] / l2) ** 2 / 6))
     return flat, rounding(l1) + second
+
+
+def stage_one_rows(xs: list[np.ndarray], bits: int, keys: list[list[int]], divisor: float,
+                   block: int = 1024, norm: str = "max") -> list[np.ndarray]:
+    """FSDP2's reduce-scatter by stage 1 alone (hvd_gqsgd/fsdp.py's docstring): every rank's
+    input ``xs[r]`` is ``n`` rows of ``S`` elements; each row is cut into scale blocks of
+    ``block`` elements, quantized with ``L1`` levels and rounded with that rank's key for the
+    row (``keys[r][row]``, the kernels' noise from the row's first element), and rank ``t``
+    decodes the lane sums of row ``t``: ``sum * float32(s / L1 / divisor)`` rounded once to
+    float32.  Returns each rank's shard (float32 values as float64)."""
+    n = len(xs)
+    shard = xs[0].size // n
+    l1, _ = stage_levels(bits, n)
+    w = lane_width(bits, n)
+    rows = [x.reshape(n, shard) for x in xs]
+    seg = np.arange(shard) // block if block else np.zeros(shard, dtype=np.int64)
+    out = []
+    for t in range(n):
+        parts = [np.abs(r[t].astype(np.float64)) for r in rows]
+        scale = np.zeros(seg.max() + 1)
+        for p in parts:
+            if norm == "max":
+                np.maximum.at(scale, seg, p)
+            else:
+                scale = np.maximum(scale, np.sqrt(np.bincount(seg, p * p)))
+        finite = np.all([np.isfinite(r[t]) for r in rows], axis=0)
+        bad = np.bincount(seg, ~finite) > 0
+        scale[bad] = np.inf
+        sums = np.zeros(shard, dtype=np.int64)
+        for r in range(n):
+            ok = np.isfinite(scale) & (scale > 0)
+            mult = np.where(ok, l1 / np.where(ok, scale, 1.0), 0.0).astype(rows[r].dtype)
+            y = np.clip(np.nan_to_num(rows[r][t]) * mult[seg], -l1, l1)
+            sums += _round(y, kernels.noise(keys[r][t], 0, shard))
+        assert np.abs(sums).max(initial=0) <= 2 ** (w - 1) - 1  # the lane bound
+        step = np.where(np.isfinite(scale), scale / l1, np.nan) / divisor
+        out.append((sums * step[seg].astype(np.float32).astype(np.float64))
+                   .astype(np.float32).astype(np.float64))
+    return out
