@@ -34,16 +34,19 @@ demo: setup
 
 # Bandwidth benchmarks on emulated hosts (root): docs/BENCHMARKS.md and its plot (Horovod,
 # torch and TF), its deep-model section, then docs/DDP.md (the DDP hook against DDP's own
-# hooks).
+# hooks), then docs/FSDP.md (the FSDP2 hook against FSDP2's own reduce-scatters).
 bench: setup
 	$(PY) benchmarks/netbench.py 2>&1 | $(TF_NOISE)
 	$(PY) benchmarks/deep_bench.py 2>&1 | $(TF_NOISE)
 	$(PY) benchmarks/ddp_bench.py 2>&1 | $(TF_NOISE)
+	$(PY) benchmarks/fsdp_bench.py 2>&1 | $(TF_NOISE)
 
 # Convergence sweep (digits in PyTorch and TF, char-level LM; 2 and 4 ranks; 3 seeds):
-# writes docs/CONVERGENCE.md and docs/convergence_*.png.
+# writes docs/CONVERGENCE.md and docs/convergence_*.png; then the FSDP2 hook against plain FSDP2
+# (char-level transformer, 4 ranks, 3 seeds) into docs/FSDP.md.
 convergence: setup
 	$(PY) benchmarks/convergence.py 2>&1 | $(TF_NOISE)
+	$(PY) benchmarks/fsdp_convergence.py
 
 # The bundled image, built and run for real (root; docker/README.md): buildah builds
 # docker/Dockerfile as `docker build` would, then runs its CMD and IMAGE_DEMO inside it, as
