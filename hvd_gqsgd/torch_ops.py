@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from . import core, kernels
+from . import torch_generic as generic
 
 __all__ = ["FlatRows", "ProbeRows", "Rescaled", "TorchLocal", "TorchOps", "TwoStageSums",
            "host_empty"]
@@ -152,7 +153,7 @@ class TwoStageSums:
     layout: core.MessageLayout
     steps: torch.Tensor
     fused: kernels.Messages | None = None
-    codes: torch.Tensor | None = None  # generic path: int64, one per bucket element
+    gathered: torch.Tensor | None = None  # torch-ops path: the gathered words themselves
 
 
 @dataclass
@@ -163,7 +164,8 @@ class Rescaled:
 
     parts: dict[int, torch.Tensor]
     factor: float
-    probe: list[float]  # that probe's values, checked already (core.check_probe)
+    probe: torch.Tensor  # that probe, checked already (core.check_probe)
+    taken: list[torch.Tensor]  # the other tensors' probes, checked once all are taken
 
 
 class TorchLocal(TorchOps):
@@ -175,12 +177,14 @@ class TorchLocal(TorchOps):
 
     def __init__(self, seed: int | None, keys: Any = None) -> None:
         self._seed = seed
-        self._generators: dict[torch.device, torch.Generator] = {}  # generic path, per device
         # fused path: counter-based noise, keyed per bucket (core.NoiseKeys or alike)
         self._keys = core.NoiseKeys(seed) if keys is None else keys
         self._probes: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
         self._rows: dict[tuple[tuple[float, ...], torch.device], ProbeRows] = {}
         self._flats: dict[tuple[Any, ...], FlatRows] = {}
+        # torch-ops path: per-segment tables on the device, made once per layout
+        self._tables = generic.Segments()
+        self._tails: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
 
     def is_compressible(self, t: Any) -> bool:
         return t.dtype in _FLOATS and t.numel() > 0
@@ -229,23 +233,18 @@ class TorchLocal(TorchOps):
 
     def local_norms(self, tensors: Sequence[Any] | None, flat: Any, counts: Sequence[int],
                     norm: str, extra: Sequence[float]) -> Any:
-        tail = torch.tensor(extra, dtype=torch.float64, device=flat.device)
+        key = (tuple(extra), flat.device)
+        tail = self._tails.get(key)
+        if tail is None:  # made once per layout: a host copy per call would wait for CUDA
+            if len(self._tails) >= _FLAT_LAYOUTS:
+                self._tails.clear()
+            tail = self._tails[key] = torch.tensor(extra, dtype=torch.float64,
+                                                   device=flat.device)
         if self._fused(flat):
             vec = torch.from_numpy(kernels.segment_norms(flat.numpy(), np.asarray(counts), norm))
             return torch.cat([vec, tail])
-        parts: Sequence[Any]
-        if tensors is not None and len(counts) == len(tensors):  # a segment per tensor
-            parts = list(tensors)
-        else:
-            parts = torch.split(flat, list(counts))
-        norms: Sequence[torch.Tensor]
-        if norm == "max":
-            norms = torch._foreach_norm(list(parts), float("inf"))
-        else:  # fp64: a finite fp16/fp32 gradient must not overflow its own L2 norm
-            norms = [torch.linalg.vector_norm(t, dtype=torch.float64) for t in parts]
-        vec = torch.stack([n.to(torch.float64) for n in norms])
-        # MAX drops NaN in some reductions (a > b is false); +inf always wins the MAX.
-        return torch.cat([torch.nan_to_num(vec, nan=float("inf")), tail])
+        table = self._tables.table(counts, flat.device)
+        return torch.cat([generic.segment_norms(flat, counts, table, norm), tail])
 
     def check_layout(self, reduced: Any) -> Any:
         high, neg_low = reduced[-2:].tolist()
@@ -298,16 +297,11 @@ class TorchLocal(TorchOps):
             kernels.quantize_pack(flat.numpy(), np.asarray(counts), mult.numpy(), n_levels, bits,
                                   self._keys.next(rank), words.numpy())
             return words
-        counts_t = torch.tensor(list(counts), device=flat.device)
-        per_element = torch.repeat_interleave(mult.to(flat.dtype), counts_t,
-                                              output_size=flat.numel())
-        words = core.encode(self, flat, per_element, self._uniform(flat, rank), n_levels, bits)
-        if out is not None:
-            out[:size] = words
-            out[size:] = 0
-            return out
-        if pad_to and pad_to > size:
-            words = torch.cat([words, words.new_zeros(pad_to - size)])
+        words = out if out is not None else torch.empty(pad_to or size, dtype=torch.int64,
+                                                        device=flat.device)
+        generic.encode(self, flat, mult.to(flat.dtype), counts,
+                       self._tables.table(counts, flat.device), n_levels, bits,
+                       self._uniform(flat.device, rank), words)
         return words
 
     def unpack_scaled(self, words: Any, bits: int, out: Any, counts: Sequence[int],
@@ -319,10 +313,8 @@ class TorchLocal(TorchOps):
             kernels.Summed(words.numpy(), bits).unpack_bucket(out.numpy(), counts,
                                                               scales.numpy())
             return
-        sums = core.unpack(self, words, bits, out.numel())
-        per_element = torch.repeat_interleave(
-            scales, torch.tensor(list(counts), device=out.device), output_size=out.numel())
-        torch.mul(sums.to(out.dtype), per_element, out=out)
+        generic.unpack_scaled(self, words, bits, out, counts,
+                              self._tables.table(counts, out.device), scales)
 
     def auto_chunk_bytes(self, flat: Any) -> int:
         # One Sum allreduce per bucket: chunks measured no faster here (docs/BENCHMARKS.md),
@@ -334,7 +326,7 @@ class TorchLocal(TorchOps):
             words = self.concat_words(words)
         if self._fused(words):
             return kernels.Summed(words.numpy(), bits)  # words are ours: rewritten in place
-        return core.unpack(self, words, bits, total)
+        return generic.LaneSums(self, words, bits, total)
 
     def decode(self, state: Any, offset: int, like: Any, scale: Any, block: int) -> Any:
         compute = torch.float64 if like.dtype == torch.float64 else torch.float32
@@ -345,7 +337,7 @@ class TorchLocal(TorchOps):
                               np.float64 if compute == torch.float64 else np.float32)
             state.unpack_scale(offset, out.numpy().reshape(-1), scale.numpy(), block)
             return out.to(like.dtype)
-        out = state[offset:offset + numel].to(compute)
+        out = state[offset:offset + numel].to(compute)  # this tensor's lanes only
         if block:  # in place, block by block: element i times scale[i // block]
             full = numel // block
             out[:full * block].view(full, block).mul_(scale[:full, None].to(compute))
@@ -360,8 +352,7 @@ class TorchLocal(TorchOps):
         """The whole bucket, flat, in one call: every segment's lane sums times its step
         times the factor of this (the bucket's first) probe, in float64 when one of the
         bucket's tensors is float64, else float32."""
-        probe = reduced_probe.tolist()
-        factor = core.check_probe(probe, world_size)
+        factor = core.check_probe(reduced_probe.tolist(), world_size)  # a host copy per bucket
         wide = any(t.dtype == torch.float64 for t in likes)
         compute, host = (torch.float64, np.float64) if wide else (torch.float32, np.float32)
         total, device = sum(counts), likes[0].device
@@ -373,41 +364,51 @@ class TorchLocal(TorchOps):
             out = host_empty(total, host)
             state.unpack_bucket(out.numpy(), counts, (steps * factor).numpy())
         else:
-            per_element = torch.repeat_interleave((steps * factor).to(compute),
-                                                  torch.tensor(list(counts), device=device),
-                                                  output_size=total)
-            out = state[:total].to(compute) * per_element
+            out = torch.empty(total, dtype=compute, device=device)
+            generic.unpack_scaled(self, state.words, state.bits, out, counts,
+                                  self._tables.table(counts, device), (steps * factor).to(compute))
         # every tensor's view in its shape, made here for the whole bucket
         numels = [t.numel() for t in likes]
         views = [v.view_as(t) for v, t in zip(out.split(numels), likes)]
-        return Rescaled(dict(zip(itertools.accumulate(numels, initial=0), views)), factor, probe)
+        return Rescaled(dict(zip(itertools.accumulate(numels, initial=0), views)), factor,
+                        reduced_probe, [])
 
     def take(self, rescaled: Rescaled, offset: int, like: Any, reduced_probe: Any,
              world_size: int) -> Any:
         """``like``'s elements of the decoded bucket: a view in its shape (a copy when its
-        dtype differs), checked against its own probe; one that another op reduced than the
-        bucket's first tensor is rescaled by the ratio of their factors."""
-        probe = reduced_probe.tolist()
-        factor = rescaled.factor if probe == rescaled.probe else core.check_probe(probe,
-                                                                                 world_size)
+        dtype differs).  Its probe is kept, not read: once every tensor of the bucket is
+        taken, all probes are checked against the first one at once (one host copy per
+        bucket, where a copy per tensor would each wait for CUDA), and a bucket whose
+        tensors were reduced with different ops or scale factors raises ``ValueError``."""
         part = rescaled.parts[offset]
-        if factor != rescaled.factor:
-            part = part * (factor / rescaled.factor)
+        if reduced_probe is not rescaled.probe:
+            rescaled.taken.append(reduced_probe)
+        if len(rescaled.taken) == len(rescaled.parts) - 1 and rescaled.taken:
+            others = torch.stack(rescaled.taken)
+            if not bool((others == rescaled.probe).all()):  # a host copy per bucket
+                first = rescaled.probe.tolist()
+                bad = next(p for p in others.tolist() if p != first)
+                core.check_probe(bad, world_size)  # ValueError naming the ops that work
+                raise ValueError(
+                    f"GlobalQSGD: the tensors of one bucket were reduced with different scale "
+                    f"factors (probes {first} and {bad}); give tensors reduced differently "
+                    "compressors of their own")
         return part if part.dtype == like.dtype else part.to(like.dtype)
 
     def _fused(self, t: Any) -> bool:
         """The numba kernels serve CPU tensors; CUDA (and CPU without numba) use core.encode."""
         return t.device.type == "cpu" and kernels.available()
 
-    def _uniform(self, like: Any, rank: int) -> Any:
-        """Generic path: uniforms in [0, 1) for one encode, from a generator re-seeded with
-        the next key of the rank's noise stream, so the stream is a function of (seed, rank,
-        serial) as on the fused path."""
-        gen = self._generators.get(like.device)
-        if gen is None:
-            gen = self._generators[like.device] = torch.Generator(device=like.device)
-        gen.manual_seed(self._keys.next(rank) >> 1)  # manual_seed takes 63 bits
-        return torch.rand(like.shape, dtype=like.dtype, device=like.device, generator=gen)
+    def _uniform(self, device: torch.device, rank: int) -> Any:
+        """Torch-ops path: the uniforms of one encode, keyed by the next key of the rank's
+        noise stream and drawn chunk by chunk (``uniform(start, count, like)``): the fused
+        path's counter-based noise, so both paths round identically."""
+        key = self._keys.next(rank)
+
+        def uniform(start: int, count: int, like: Any) -> Any:
+            return generic.noise(key, start, count, like)
+
+        return uniform
 
     def stable_names(self) -> bool:
         return True
@@ -436,24 +437,20 @@ class TorchLocal(TorchOps):
             out = host_empty(numel, np.float64)
             kernels.lane_sums(words.numpy(), bits, out.numpy())  # the words are ours
             return out
-        return core.unpack(self, words, bits, numel).to(torch.float64)
+        return generic.LaneSums(self, words, bits, numel)
 
     def part_max(self, sums: Any, counts: Sequence[int]) -> Any:
         if self._fused(sums):
             return torch.from_numpy(kernels.segment_norms(sums.numpy(), np.asarray(counts),
                                                           "max"))
-        device = sums.device
-        ids = torch.repeat_interleave(torch.arange(len(counts), device=device),
-                                      torch.tensor(list(counts), device=device),
-                                      output_size=sums.numel())
-        out = torch.zeros(len(counts), dtype=torch.float64, device=device)
-        return out.scatter_reduce_(0, ids, sums.abs(), "amax")
+        return generic.part_max(sums, counts, self._tables.table(counts, sums.device))
 
     def message(self, codes: Any, part_max: Any, code_words: int, slots: int) -> Any:
         out = torch.zeros(code_words + slots, dtype=torch.int64, device=part_max.device)
         if codes is not None:
             out[:code_words] = codes
-        out[code_words:code_words + part_max.numel()] = part_max.to(torch.int64)  # exact
+        if part_max.numel():  # none past the bucket's end (there part_max is the empty sums)
+            out[code_words:code_words + part_max.numel()] = part_max.to(torch.int64)  # exact
         return out
 
     def messages(self, gathered: Any, layout: core.MessageLayout, steps1: Any) -> TwoStageSums:
@@ -467,33 +464,32 @@ class TorchLocal(TorchOps):
                                                              layout.bits), fused=fused)
         slots = _derived(layout, ("slots", device), lambda: torch.tensor(layout.slots,
                                                                          device=device))
-        counts = _derived(layout, ("counts", device), lambda: torch.tensor(layout.counts,
-                                                                           device=device))
-        starts = torch.cumsum(counts, 0) - counts
-        lanes = torch.tensor(layout.lanes, device=device)
-        total = int(sum(layout.counts))
-        every = core.unpack(self, gathered, layout.bits,
-                            gathered.numel() * core.lanes_per_word(layout.bits))
-        position = torch.arange(total, device=device) + torch.repeat_interleave(
-            lanes - starts, counts, output_size=total)
         part_max = gathered[slots].to(torch.float64)
         return TwoStageSums(layout, core.stage_two_steps(part_max, steps1[segments],
-                                                         layout.bits), codes=every[position])
+                                                         layout.bits), gathered=gathered)
 
     def decode_into(self, state: TwoStageSums, out: Any, factor: float, p0: int = 0,
-                    p1: int | None = None, offset: int = 0) -> None:
+                    p1: int | None = None) -> None:
         """Parts ``p0 .. p1`` (default: all) of a two-stage bucket into the flat float32/64
-        ``out``, whose first element is bucket element ``offset``."""
-        p1 = len(state.layout.counts) if p1 is None else p1
+        ``out``, which they fill in order."""
+        layout = state.layout
+        p1 = len(layout.counts) if p1 is None else p1
         scale = (state.steps[p0:p1] * factor).to(out.dtype)
         if state.fused is not None:
-            state.fused.unpack_parts(p0, p1, out.numpy(), scale.numpy(), offset)
+            state.fused.unpack_parts(p0, p1, out.numpy(), scale.numpy(), sum(layout.counts[:p0]))
             return
-        assert state.codes is not None
-        counts = _derived(state.layout, ("counts", scale.device),
-                          lambda: torch.tensor(state.layout.counts, device=scale.device))
-        per_element = torch.repeat_interleave(scale, counts[p0:p1], output_size=out.numel())
-        torch.mul(state.codes[offset:offset + out.numel()].to(out.dtype), per_element, out=out)
+        assert state.gathered is not None
+        device = out.device
+
+        def tables(name: str) -> torch.Tensor:
+            if name == "counts":
+                return _derived(layout, ("counts", device),
+                                lambda: torch.tensor(layout.counts, device=device))
+            starts = itertools.accumulate(layout.counts, initial=0)
+            return _derived(layout, ("shift", device), lambda: torch.tensor(
+                [lane - start for lane, start in zip(layout.lanes, starts)], device=device))
+
+        generic.decode_parts(state.gathered, layout, tables, scale, p0, p1, out)
 
 
 def _derived(layout: core.MessageLayout, key: Any, make: Any) -> Any:

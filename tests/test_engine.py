@@ -224,8 +224,13 @@ def test_probes_are_reused_only_after_their_round():
     assert [p.data_ptr() for p, _ in second] == [p.data_ptr() for p, _ in first]
     for x, (p, ctx) in zip(xs[:3], second[:3]):
         torch.testing.assert_close(eng.decompress(p, ctx), x, rtol=1e-6, atol=1e-9)
+    # a probe that no sum produces: found once the bucket's last tensor is taken (the
+    # probes of a bucket are read together, one host copy per bucket)
+    eng.decompress(torch.tensor([1.0, 5.0], dtype=torch.float64), second[3][1])
+    for p, ctx in second[4:-1]:
+        eng.decompress(p, ctx)
     with pytest.raises(ValueError, match="op=Sum or op=Average"):
-        eng.decompress(torch.tensor([1.0, 5.0], dtype=torch.float64), second[3][1])
+        eng.decompress(second[-1][0], second[-1][1])
     failed = {p.data_ptr() for p, _ in second}
     third = compress_all()  # the failed round's probes may be in flight: all new
     assert not {p.data_ptr() for p, _ in third} & failed

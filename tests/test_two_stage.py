@@ -108,8 +108,8 @@ def _inputs(n: int, numels=NUMELS, kind: str = "random"):
 
 
 class _Torch:
-    """Torch backend's local steps (fused, or generic with the kernels' noise so that both
-    round identically)."""
+    """Torch backend's local steps (fused, or the torch-ops path, which draws the kernels'
+    counter-based noise, so both round identically)."""
 
     def __init__(self, rank: int, fused: bool):
         import torch
@@ -119,13 +119,7 @@ class _Torch:
         self.torch = torch
         self.b = TorchLocal(SEED)
         if not fused:
-            b = self.b
-            b._fused = lambda t: False
-
-            def noise(like, rank):
-                return torch.from_numpy(kernels.noise(b._keys.next(rank), 0, like.numel()))
-
-            b._uniform = noise
+            self.b._fused = lambda t: False
 
     def tensor(self, a):
         return self.torch.from_numpy(np.ascontiguousarray(a))
