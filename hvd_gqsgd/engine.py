@@ -32,7 +32,8 @@ gradients of earlier layers.  Horovod matches collectives by name, so launching 
 hooks is safe as long as every rank seals the same tensors into the same buckets; a rank
 waits only for collectives that every rank issues before it waits for a later bucket's.
 
-With ``Settings.hierarchical`` the seal first reads the node layout (one small MAX
+With ``Settings.hierarchical`` the first decompress seals the round's tensors in buckets of
+``bucket_bytes`` (8 MiB by default); each bucket's seal reads the node layout (one small MAX
 allreduce) and, when there are several nodes of equal size, hands steps 1-3 and the unpack to
 :func:`hvd_gqsgd.hierarchical.reduce`, blocking, at the seal: full-precision sums inside each
 node, codes summed across nodes only, so ``L`` is set by the node count.
@@ -409,25 +410,45 @@ class Engine:
         bucket.handles = []
 
     def _seal(self) -> None:
-        """COLLECTIVE: make a bucket of all queued tensors and start its scale exchange
-        (hierarchical: reduce it whole).  Every rank seals the same tensors in the same order
-        (the names below match across ranks; the layout check catches a mismatch)."""
+        """COLLECTIVE: make a bucket of all queued tensors and start its scale exchange.
+        Hierarchical: cut them into buckets of ``Settings.bucket_bytes`` (None: 8 MiB, 0:
+        one bucket) and reduce each whole, in order, so that the node sums and codes exist
+        for one bucket at a time, not for the model.  Every rank seals the same tensors in
+        the same order (the names below match across ranks; the layout check catches a
+        mismatch)."""
         r = self._round
-        if not r.queued:
+        entries, r.queued, r.queued_bytes = r.queued, [], 0
+        if not entries:
             return
+        limit = self.settings.bucket_bytes
+        if not self.settings.hierarchical or limit == 0:
+            self._seal_entries(entries)
+            return
+        cap = core.AUTO_BUCKET_BYTES if limit is None else limit
+        group: list[Entry] = []
+        held = 0
+        for e in entries:
+            if group and held + e.nbytes > cap:
+                self._seal_entries(group)
+                group, held = [], 0
+            group.append(e)
+            held += e.nbytes
+        self._seal_entries(group)
+
+    def _seal_entries(self, entries: list[Entry]) -> None:
+        """:meth:`_seal` of one bucket of ``entries``."""
+        r = self._round
         rank, size, pset = self._world()
         name = f"{self._prefix}.b{self._serial}"
         self._serial += 1
-        tree = self._tree(rank, size, pset, name)  # None: not hierarchical
+        tree = self._tree(rank, size, pset, name, entries[0].tensor)  # None: not hierarchical
         # re-read every bucket: elastic resizes.  Hierarchical: lanes sum one code per node
         summing = tree.cross_size if tree else size
         two = two_stage.chosen(self.settings, summing, "nodes" if tree else "ranks")
         n_levels = 0 if two else core.levels(self.settings.bits, summing)
-        entries = r.queued
         r.tensors += len(entries)
-        r.figures["uncompressed"] += r.queued_bytes
+        r.figures["uncompressed"] += sum(e.nbytes for e in entries)
         r.figures["overhead"] += core.PROBE_BYTES * len(entries)
-        r.queued, r.queued_bytes = [], 0
         layout = self._layout(entries)
         bucket = Bucket(entries=entries, rank=rank, world_size=size, n_levels=n_levels,
                         remaining=len(entries), name=name, two=two, pset=pset,
@@ -549,15 +570,15 @@ class Engine:
                 core.layout_fingerprint(numels, dtypes))
         return layout
 
-    def _tree(self, rank: int, size: int, pset: Any, name: str) -> hierarchical.Tree | None:
+    def _tree(self, rank: int, size: int, pset: Any, name: str, like: Any
+              ) -> hierarchical.Tree | None:
         """COLLECTIVE with ``Settings.hierarchical``: the node layout (see
         :mod:`hvd_gqsgd.hierarchical`), or None for flat Global-QSGD."""
         if not self.settings.hierarchical:
             return None
         self._round.figures["overhead"] += 8 * 4 * size  # the table, also when it says flat
         with self._round.timing("scale_wait_s"):
-            return hierarchical.topology(self.backend, rank, size, pset, f"{name}.topo",
-                                         self._round.queued[0].tensor)
+            return hierarchical.topology(self.backend, rank, size, pset, f"{name}.topo", like)
 
     def _world(self) -> tuple[int, int, Any]:
         """(rank, size, set) of the compressor's process set, read afresh: elastic resizes."""

@@ -109,7 +109,7 @@ def noise(key: int, start: int, count: int, like: torch.Tensor) -> torch.Tensor:
 
 def encode(ops: Any, flat: Any, mult: torch.Tensor, counts: Sequence[int],
            table: torch.Tensor, n_levels: int, bits: int,
-           uniform: Callable[[int, Any], torch.Tensor], out: torch.Tensor) -> None:
+           uniform: Callable[[int, int, Any], torch.Tensor], out: torch.Tensor) -> None:
     """:func:`hvd_gqsgd.core.encode` of ``flat`` (a tensor, or :class:`LaneSums`) into
     ``out`` (int64, at least ``packed_words`` long; the rest is zeroed), chunk by chunk.
     ``mult``: L/s per segment in ``flat``'s dtype; ``table``: the segments' counts on the
