@@ -12,7 +12,7 @@
 # The Python: .venv/bin/python if its torch sees CUDA, else the system python3 if its torch
 # does (no Horovod needed: the tests that need it skip, saying why).  Where no torch sees CUDA
 # the same tests run and every one skips with its reason; the line then says
-# "no CUDA device: CUDA parts skipped".  Needs torch, numpy, numba and pytest, no network.
+# "no CUDA device: CUDA parts skipped".  Needs torch, numpy and pytest, no network.
 # Exit status: 0 when nothing failed; 124 when the run passed GPU_CHECK_TIMEOUT_S (420 s).
 #
 # --cpu-rehearsal runs the same checks on CPU tensors and Gloo, through the torch ops that
@@ -22,6 +22,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$(pwd)
 LIMIT_S=${GPU_CHECK_TIMEOUT_S:-420}
+if [ ! -f tests/test_cuda.py ]; then  # the Docker images copy scripts/ but not tests/
+  echo "gpu_check: $ROOT has no tests/test_cuda.py; run it from a checkout of the repository" >&2
+  exit 2
+fi
 REHEARSAL=0
 case "${1:-}" in
   "") ;;
