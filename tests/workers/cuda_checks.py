@@ -5,7 +5,9 @@
 
 CHECKS is a comma-separated list of ``ddp``, ``fsdp_comm``, ``fsdp_model``, ``ddp_bench``.
 Writes ``rank{r}.pkl`` into OUT: what each check produced (gradients and outputs as float64
-arrays, the hooks' stats, timings).  No expected value is computed here.
+arrays, the hooks' stats, timings), or ``{"error": traceback}`` for a check that raised, so
+that one failing check does not hide the others' results.  No expected value is computed
+here.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pickle
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -193,7 +196,10 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size)
     results: dict = {"size": size, "device": str(device)}
     for name in checks:
-        results[name] = CHECKS[name](rank, size, device)
+        try:
+            results[name] = CHECKS[name](rank, size, device)
+        except Exception:  # noqa: BLE001 -- reported by the test that reads this check
+            results[name] = {"error": traceback.format_exc()}
     (out_dir / f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
