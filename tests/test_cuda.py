@@ -86,10 +86,11 @@ KIND = device_kind()
 DEVICE = torch.device("cuda", 0) if KIND == "cuda" else torch.device("cpu")
 CUDA = KIND == "cuda"
 LAUNCH_TIMEOUT_S = 150  # one worker job, NCCL start-up included (gpu_check.sh allows 420 s)
-# Peak CUDA memory of a 64 MB round above its input, in units of the input's bytes.  2x is
-# the ceiling any use on a GPU can afford; the torch-ops path is being brought to 0.5x (the
-# result written over the input's own buffer).  Before that work it holds a multiplier, a
-# uniform, int64 codes and their temporaries per element: about 11x.
+# Peak CUDA memory of a 64 MB round above its input (engine; DDP: above DDP's own all_reduce
+# step), in units of the gradient's bytes.  2x is the most a GPU job can spare for its
+# gradient exchange; the torch-ops path is being brought to 0.5x.  Before that work it holds
+# a multiplier, a uniform, int64 codes and their temporaries per element at once: about 11x,
+# counted on CPU tensors by tracking every tensor the engine's round allocates.
 PEAK_BOUND = 2.0
 BENCH_RUNS = 5  # timed rounds per variant, after one warm-up
 
