@@ -8,15 +8,16 @@ set -euo pipefail
 build=$(horovodrun --check-build 2>&1 | grep -v -e '^I0000 ' -e 'absl::InitializeLog')
 printf '%s\n' "$build"
 
-# The GPU image (docker/Dockerfile.gpu) has NCCL and no TensorFlow binding.
-run="docker run --rm hvd_gqsgd"
+# The GPU image (docker/Dockerfile.gpu) has NCCL and no TensorFlow binding; its demo puts each
+# rank's model and data on its GPU (--cuda).
+run="docker run --rm hvd_gqsgd" cuda=""
 if grep -qF '[X] NCCL' <<<"$build"; then
-  run="docker run --rm --gpus all hvd_gqsgd:gpu"
+  run="docker run --rm --gpus all hvd_gqsgd:gpu" cuda=" --cuda"
 fi
 echo
 echo "hvd_gqsgd is installed and its examples are in examples/. Two ranks in one container:"
 echo
-echo "  $run horovodrun -np 2 -H localhost:2 --gloo python examples/torch_digits.py"
+echo "  $run horovodrun -np 2 -H localhost:2 --gloo python examples/torch_digits.py$cuda"
 if grep -qF '[X] TensorFlow' <<<"$build"; then
   echo "  $run horovodrun -np 2 -H localhost:2 python examples/tf_digits.py"
 fi

@@ -39,8 +39,8 @@ from typing import Any
 
 from hvd_gqsgd import GlobalQSGD
 
-__all__ = ["Variant", "add_common_args", "build_compressor", "build_optimizer", "group_runs",
-           "is_local_sgd", "make_progress",
+__all__ = ["Variant", "add_common_args", "add_cuda_arg", "build_compressor", "build_optimizer",
+           "check_cuda", "group_runs", "is_local_sgd", "make_progress", "rank_device",
            "mean_std", "parse_variant", "parse_variants", "plot_curves", "print_table",
            "rank_seed", "say", "seeds_of", "settings_of", "write_outputs"]
 
@@ -202,6 +202,44 @@ def add_common_args(parser: argparse.ArgumentParser, default_variants: str | Non
                         help="progress bar on rank 0 (default: only when rank 0's stderr or "
                              "stdout is a terminal; horovodrun pipes them, so pass --progress "
                              "there to see it)")
+
+
+def add_cuda_arg(parser: argparse.ArgumentParser) -> None:
+    """``--cuda``, for the PyTorch examples under Horovod."""
+    parser.add_argument("--cuda", action="store_true",
+                        help="each rank's model and data on cuda:<local rank> (Horovod's "
+                             "hvd.local_rank()); gradients then go through Horovod's GPU "
+                             "collectives (NCCL in docker/Dockerfile.gpu's image)")
+
+
+def check_cuda(requested: bool, script: str) -> None:
+    """Before ``hvd.init()``: stop with a clear message when ``--cuda`` was given and torch
+    sees no CUDA device (imports torch only then)."""
+    if not requested:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        build = (f"a CPU build of torch {torch.__version__}" if torch.version.cuda is None
+                 else f"torch {torch.__version__} (CUDA {torch.version.cuda}), no usable GPU")
+        raise SystemExit(f"{script} --cuda: torch sees no CUDA device ({build}). Run without "
+                         "--cuda to train on the CPU.")
+
+
+def rank_device(requested: bool, local_rank: int) -> Any:
+    """``cuda:<local_rank>``, made the current device, with ``--cuda``; else the CPU.  Stops
+    when the node has fewer GPUs than ranks."""
+    import torch
+
+    if not requested:
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise SystemExit(f"--cuda: local rank {local_rank} needs cuda:{local_rank}, but torch "
+                         f"sees {torch.cuda.device_count()} CUDA device(s) on this node; start "
+                         "at most one rank per GPU")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
 
 
 def seeds_of(text: str) -> list[int]:

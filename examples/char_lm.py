@@ -18,6 +18,11 @@ a given seed, with identical hyper-parameters.  More compressors, seeds and the 
     horovodrun --gloo -np 2 -H localhost:2 python examples/char_lm.py \\
         --variants none,fp16,gq8,gq4,gq4:l2 --seeds 0,1,2 --csv lm.csv --png lm.png
 
+``--cuda`` puts each rank's model and data on ``cuda:<local rank>`` (Horovod's
+``hvd.local_rank()``; one GPU per rank)::
+
+    horovodrun -np 2 -H localhost:2 python examples/char_lm.py --cuda
+
 Local SGD (``QPRSGD``, hvd_gqsgd.qprsgd) runs as a variant too: ``qprsgd8:k=4`` syncs
 GlobalQSGD(8) model differences by ring allreduce every 4 steps, ``qprsgd8:k=8:gossip``
 between ring neighbours every 8 (3 ranks or more)::
@@ -40,12 +45,15 @@ import numpy as np
 import torch
 from _common import (
     add_common_args,
+    add_cuda_arg,
     build_optimizer,
+    check_cuda,
     group_runs,
     is_local_sgd,
     make_progress,
     parse_variants,
     print_table,
+    rank_device,
     rank_seed,
     say,
     seeds_of,
@@ -105,7 +113,9 @@ def make_model(seed: int, vocab: int, args) -> torch.nn.Module:
 
 
 def train(variant, seed: int, corpus: Corpus, windows, args, bar) -> dict:
-    net = make_model(seed, len(corpus.chars), args)
+    """One run, on the device ``windows`` (the validation windows) are on."""
+    device = windows.device
+    net = make_model(seed, len(corpus.chars), args).to(device)
     hvd.broadcast_parameters(net.state_dict(), root_rank=0)
     opt, compression = build_optimizer(variant, hvd, torch.optim.Adam(net.parameters(), lr=args.lr),
                                        list(net.named_parameters()), seed)
@@ -116,7 +126,7 @@ def train(variant, seed: int, corpus: Corpus, windows, args, bar) -> dict:
     curve, losses, start = [log_point(0, [], net, windows)], [], time.perf_counter()
     for step in range(1, args.steps + 1):
         opt.zero_grad()
-        loss = lm_loss(net, corpus.train_batch(rng, batch, args.seq))
+        loss = lm_loss(net, corpus.train_batch(rng, batch, args.seq).to(device))
         loss.backward()
         if local_sgd:  # each rank clips its own gradient; step() syncs every K-th call
             torch.nn.utils.clip_grad_norm_(net.parameters(), args.clip)
@@ -192,12 +202,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--val-chars", type=int, default=16384,
                         help="validation characters scored at each log point")
     add_common_args(parser, default_variants="none,gq8")
+    add_cuda_arg(parser)
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
     variants = parse_variants(args.variants)
+    check_cuda(args.cuda, "examples/char_lm.py")
     hvd.init()
     if hvd.size() < 2:  # one process sends nothing: there would be nothing to compare
         raise SystemExit("examples/char_lm.py compares compressors across ranks but runs as "
@@ -208,7 +220,8 @@ def main() -> None:
         raise SystemExit(f"--global-batch {args.global_batch} does not split evenly over "
                          f"{hvd.size()} ranks; use a multiple of {hvd.size()}")
     corpus = Corpus()
-    windows = corpus.val_windows(args.seq, args.val_chars)
+    windows = corpus.val_windows(args.seq, args.val_chars).to(
+        rank_device(args.cuda, hvd.local_rank()))
     jobs = [(seed, v) for seed in seeds_of(args.seeds) for v in variants]
     bar = make_progress(len(jobs) * args.steps, hvd.rank(), args.progress)
     runs = []

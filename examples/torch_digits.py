@@ -13,6 +13,12 @@ seeds, with the loss curves written out (docs/CONVERGENCE.md is made this way)::
 Every compressor trains from the same initial weights and sees the same batches for a given
 seed, with identical hyper-parameters, so differences come from the compression alone.
 
+``--cuda`` puts each rank's model and data on ``cuda:<local rank>`` (Horovod's
+``hvd.local_rank()``; one GPU per rank), so the gradients go through Horovod's GPU
+collectives (NCCL in docker/Dockerfile.gpu's image)::
+
+    horovodrun -np 2 -H localhost:2 python examples/torch_digits.py --cuda
+
 Local SGD (``QPRSGD``, hvd_gqsgd.qprsgd) runs as a variant too: ``qprsgd8:k=4`` syncs
 GlobalQSGD(8) model differences by ring allreduce every 4 steps, ``qprsgd8:k=8:gossip``
 between ring neighbours every 8 (3 ranks or more)::
@@ -35,12 +41,15 @@ import numpy as np
 import torch
 from _common import (
     add_common_args,
+    add_cuda_arg,
     build_optimizer,
+    check_cuda,
     group_runs,
     is_local_sgd,
     make_progress,
     parse_variants,
     print_table,
+    rank_device,
     rank_seed,
     say,
     seeds_of,
@@ -91,8 +100,9 @@ def mean_over_ranks(total: float, count: int) -> float:
 
 
 def train(variant, seed: int, data, args, bar) -> dict:
+    """One run; ``data`` (shard's tensors) already on the run's device."""
     xtr, ytr, xte, yte = data
-    net = model(seed)
+    net = model(seed).to(xtr.device)
     hvd.broadcast_parameters(net.state_dict(), root_rank=0)
     opt, compression = build_optimizer(
         variant, hvd, torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9),
@@ -104,7 +114,7 @@ def train(variant, seed: int, data, args, bar) -> dict:
         perm = torch.randperm(len(xtr), generator=gen)
         total = 0.0
         for i in range(0, len(perm) - args.batch + 1, args.batch):
-            idx = perm[i:i + args.batch]
+            idx = perm[i:i + args.batch].to(xtr.device)
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(net(xtr[idx]), ytr[idx])
             loss.backward()
@@ -182,15 +192,18 @@ def main() -> None:
                         help="skip the table (examples/demo.py prints it, with link times, "
                         "from --json)")
     add_common_args(parser, default_variants=None, variants_help="none,gq<--bits>")
+    add_cuda_arg(parser)
     args = parser.parse_args()
     variants = parse_variants(args.variants or f"none,gq{args.bits}")
+    check_cuda(args.cuda, "examples/torch_digits.py")
     hvd.init()
     if hvd.size() < 2:  # one process sends nothing: there would be nothing to compare
         raise SystemExit("examples/torch_digits.py compares compressors across ranks but runs as "
                          "one process; start 2 or more: "
                          "horovodrun -np 2 -H localhost:2 python examples/torch_digits.py")
     torch.set_num_threads(1)
-    data = shard(hvd.rank(), hvd.size())
+    device = rank_device(args.cuda, hvd.local_rank())
+    data = tuple(t.to(device) for t in shard(hvd.rank(), hvd.size()))
     jobs = [(seed, v) for seed in seeds_of(args.seeds) for v in variants]
     bar = make_progress(len(jobs) * args.epochs * (len(data[0]) // args.batch), hvd.rank(),
                         args.progress)

@@ -214,7 +214,8 @@ def test_default_command_prints_check_build_and_hint():
 
 
 def test_default_command_hint_on_the_gpu_image(tmp_path):
-    """The GPU image's table shows NCCL and no TensorFlow; the hint must follow it."""
+    """The GPU image's table shows NCCL and no TensorFlow; the hint must follow it, and its
+    demo puts the model on the GPU."""
     fake = tmp_path / "horovodrun"
     fake.write_text("#!/bin/sh\nprintf '%s\\n' 'Available Frameworks:' '    [ ] TensorFlow' "
                     "'    [X] PyTorch' 'Available Tensor Operations:' '    [X] NCCL'\n")
@@ -222,7 +223,7 @@ def test_default_command_hint_on_the_gpu_image(tmp_path):
     out = run_usage([tmp_path])
     hints = re.findall(r"^  (docker run .*)$", out, re.M)
     assert hints == ["docker run --rm --gpus all hvd_gqsgd:gpu horovodrun -np 2 -H localhost:2 "
-                     "--gloo python examples/torch_digits.py"], out
+                     "--gloo python examples/torch_digits.py --cuda"], out
     assert "hvd_gqsgd:gpu" in built_tags()
 
 
