@@ -46,7 +46,7 @@ except ImportError:  # the generic path in core still works
     numba = None  # type: ignore[assignment]
 
 __all__ = ["Summed", "WireWatch", "available", "noise", "overlap_nice", "quantize_pack",
-           "segment_norms", "thread_budget"]
+           "rotate_norms", "segment_norms", "signs", "thread_budget", "unrotate"]
 
 _UNIT = 2.0**-24  # the rounding noise's resolution
 BLOCK = 1 << 14  # elements per work item: big enough to amortise, small enough for L2
@@ -61,13 +61,25 @@ def available() -> bool:
 def noise(key: int, start: int, count: int) -> np.ndarray:
     """The float64 uniforms in [0, 1) (multiples of 2**-24) that the kernels use for elements
     ``start .. start + count`` of a bucket keyed by ``key`` (NumPy, for tests and oracles)."""
+    return (_hash_np(key, start, count) >> np.uint32(8)) * _UNIT
+
+
+def signs(key: int, start: int, count: int) -> np.ndarray:
+    """The rotation's float64 signs (+1 or -1) of elements ``start .. start + count`` of a
+    bucket whose rotation is keyed by ``key``: -1 where the top bit of the same hash as
+    :func:`noise` is set (the definition: :mod:`hvd_gqsgd.core`, "Rotation")."""
+    return 1.0 - 2.0 * (_hash_np(key, start, count) >> np.uint32(31))
+
+
+def _hash_np(key: int, start: int, count: int) -> np.ndarray:
+    """The kernels' 32-bit hash of every element ``start .. start + count`` (uint32)."""
     i = np.arange(start, start + count, dtype=np.uint64)
     k = np.uint64(key)
     key_low, key_high = np.uint32(k & np.uint64(0xFFFFFFFF)), np.uint32(k >> np.uint64(32))
     with np.errstate(over="ignore"):
         high = (i >> np.uint64(32)).astype(np.uint32)
         seed = key_low ^ _mix32_np(key_high + high)
-        return (_mix32_np(i.astype(np.uint32) + seed) >> np.uint32(8)) * _UNIT
+        return _mix32_np(i.astype(np.uint32) + seed)
 
 
 def _mix32_np(z: np.ndarray) -> np.ndarray:
@@ -291,6 +303,92 @@ if numba is not None:
             for t in range(numba.uint64(item_count[i])):  # unsigned: see _codes_run
                 out[o + t] = numba.float64(codes[lane + t]) * scale
 
+    @numba.njit
+    def _signed_run(x, out, lo, hi, offset):
+        """out[i] = d_i * x[i] for i in lo..hi, where d_i is the rotation's sign of the
+        element whose hash input is u32(i + offset) (``offset``: the global index's low bits
+        minus i, plus the seed).  A select, not a multiply: the same bits as x * -1."""
+        for i in range(lo, hi):  # unsigned: see _codes_run
+            v = x[i]
+            out[i] = -v if _mix32(_U(_U(i) + offset)) >> _U(31) else v
+
+    @numba.njit
+    def _unsigned_run(v, lo, hi, offset, inv):
+        # The inverse's last step, in place: v[i] = d_i * (v[i] * inv)
+        for i in range(lo, hi):
+            w = v[i] * inv
+            v[i] = -w if _mix32(_U(_U(i) + offset)) >> _U(31) else w
+
+    @numba.njit(inline="always")
+    def _sign_cuts(lo, n, g, key):
+        """Elements lo..lo+n whose global indices start at g, cut where the global index
+        crosses a multiple of 2**32 (a new seed): (end of the first run, its offset, the
+        second's offset); a block of at most 2**16 elements crosses once at most."""
+        high = g >> numba.uint64(32)
+        first = min(n, ((high + numba.uint64(1)) << numba.uint64(32)) - g)
+        off0 = _U(_U(g) - _U(lo) + _seed(key, high))
+        off1 = _U(_U(g) - _U(lo) + _seed(key, high + numba.uint64(1)))
+        return lo + first, off0, off1
+
+    @numba.njit
+    def _butterflies(v, lo, block):
+        """The forward transform's butterflies (core, "Rotation") on v[lo:lo + block], in
+        place, stage by stage in the canonical order."""
+        h = numba.uint64(1)
+        while h < block:
+            for j0 in range(lo, lo + block, h + h):
+                for j in range(j0, j0 + h):
+                    a, b = v[j], v[j + h]
+                    v[j] = a + b
+                    v[j + h] = a - b
+            h += h
+
+    @numba.njit(inline="always")
+    def _rotate_segment(x, out, lo, hi, block, key, start):
+        # A full block: signed copy, then butterflies in out; any other segment: a copy
+        if hi - lo != block:
+            for i in range(lo, hi):
+                out[i] = x[i]
+            return
+        cut, off0, off1 = _sign_cuts(lo, block, start + lo, key)
+        _signed_run(x, out, lo, cut, off0)
+        _signed_run(x, out, cut, hi, off1)
+        _butterflies(out, lo, block)
+
+    def _rotate_absmax(x, out, out_bits, bounds, block, key, start, magnitude_mask, partial):
+        # Every segment rotated (or copied) into out, then its max |.| as _items_absmax_bits
+        # takes it, from the bits of out just written (still in cache)
+        for s in numba.prange(bounds.size - 1):
+            lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
+            _rotate_segment(x, out, lo, hi, numba.uint64(block), key, numba.uint64(start))
+            m = out_bits.dtype.type(0)
+            for i in range(lo, hi):
+                m = max(m, out_bits[i] & magnitude_mask)
+            partial[s] = m
+
+    def _rotate_l2(x, out, bounds, block, key, start, norms):
+        # As _rotate_absmax, with the L2 norm summed exactly as _segment_l2 sums it
+        for s in numba.prange(bounds.size - 1):
+            lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
+            _rotate_segment(x, out, lo, hi, numba.uint64(block), key, numba.uint64(start))
+            acc = np.zeros(8)
+            for i in range(lo, hi):
+                v = numba.float64(out[i])
+                acc[i & numba.uint64(7)] += v * v
+            total = acc.sum()
+            norms[s] = np.sqrt(total) if np.isfinite(total) else np.inf
+
+    def _unrotate(v, bounds, block, key, start, inv):
+        for s in numba.prange(bounds.size - 1):
+            lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
+            if hi - lo != numba.uint64(block):
+                continue
+            _butterflies(v, lo, numba.uint64(block))
+            cut, off0, off1 = _sign_cuts(lo, numba.uint64(block), numba.uint64(start) + lo,
+                                         key)
+            _unsigned_run(v, lo, cut, off0, inv)
+            _unsigned_run(v, cut, hi, off1, inv)
+
     def _twin(fn):
         """Compile ``fn`` twice: threaded for big inputs, serial for small ones (a threaded
         launch costs about 1 ms, more than a small tensor's whole work).  The serial twin
@@ -309,6 +407,9 @@ if numba is not None:
     _scale_lanes = _twin(_scale_lanes)
     _unpack_fields = _twin(_unpack_fields)
     _scale_items = _twin(_scale_items)
+    _rotate_absmax = _twin(_rotate_absmax)
+    _rotate_l2 = _twin(_rotate_l2)
+    _unrotate = _twin(_unrotate)
 
 
 # ranks that launchers start on one host: Open MPI, horovodrun (Gloo), torchrun, MPICH/Hydra
@@ -584,6 +685,43 @@ def segment_norms(x: np.ndarray, counts: np.ndarray, norm: str) -> np.ndarray:
     first_item = np.concatenate([[0], np.cumsum(-(-np.asarray(counts) // BLOCK))[:-1]])
     absmax = np.maximum.reduceat(partial, first_item).view(x.dtype).astype(np.float64)
     return np.where(np.isfinite(absmax), absmax, np.inf)
+
+
+def rotate_norms(x: np.ndarray, counts: Sequence[int], block: int, key: int, norm: str,
+                 out: np.ndarray, start: int = 0) -> np.ndarray:
+    """The forward rotation (:mod:`hvd_gqsgd.core`, "Rotation") of the flat bucket ``x``
+    (float32/64; segment ``s`` is the next ``counts[s]`` elements, ``x[0]`` is bucket element
+    ``start``) into ``out`` (same dtype and size; not ``x``): every full block (``block``
+    elements) rotated with the signs keyed by ``key``, every other segment copied.  Returns
+    the per-segment norms of ``out``, float64, exactly as :func:`segment_norms` of ``out``
+    gives them (``inf`` for a segment with a NaN/Inf), computed while each segment is still
+    in cache.  Bit for bit what :func:`hvd_gqsgd.core.rotate` computes."""
+    bounds = _bounds(counts)
+    if norm == "l2":
+        norms = np.empty(bounds.size - 1, dtype=np.float64)
+        _run(_rotate_l2, x.size, x, out, bounds, block, np.uint64(key), start, norms)
+        return norms
+    uint = np.uint32 if x.dtype == np.float32 else np.uint64
+    partial = np.empty(bounds.size - 1, dtype=uint)
+    _run(_rotate_absmax, x.size, x, out, out.view(uint), bounds, block, np.uint64(key), start,
+         uint(np.iinfo(uint).max >> 1), partial)
+    absmax = partial.view(x.dtype).astype(np.float64)
+    return np.where(np.isfinite(absmax), absmax, np.inf)
+
+
+def unrotate(x: np.ndarray, counts: Sequence[int], block: int, key: int, start: int = 0
+             ) -> None:
+    """The inverse rotation of every full block of ``x`` (as :func:`rotate_norms` lays the
+    bucket out), in place: bit for bit ``core.rotate(..., inverse=True)``."""
+    _run(_unrotate, x.size, x, _bounds(counts), block, np.uint64(key), start,
+         x.dtype.type(1.0 / block))
+
+
+def _bounds(counts: Sequence[int]) -> np.ndarray:
+    """Segment boundaries: 0, then the running total of ``counts`` (int64)."""
+    out = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
 
 
 def quantize_pack(x: np.ndarray, counts: np.ndarray, mult: np.ndarray, level: int, bits: int,
