@@ -6,10 +6,18 @@ in the same process.
     HVD_GQSGD_KERNELS=0 python benchmarks/cpu_cost.py    # generic torch-op path
     python benchmarks/cpu_cost.py --framework tf         # TensorFlow, hvd.allreduce in tf.function
     python benchmarks/cpu_cost.py --framework both       # both (one process each), and TF / torch
+    python benchmarks/cpu_cost.py --rotation --bits 4    # + the kernels' round trip, rotated
 
 Goals: <= 4 passes in PyTorch (the naive fp32 torch version costs about 14); TensorFlow
 within 1.3x of PyTorch.  ``both`` compares the two in milliseconds and in NumPy add passes
 (each process times ``np.add`` too, so drift between the two processes cancels).
+
+``--rotation`` adds the fused kernels' own round trip of the bucket (norms, quantize_pack,
+decode, as the engine runs them on one rank, without Horovod) three times: as is, with the
+Hadamard rotation at the default 1024-element scale blocks (``kernels.rotate_norms`` in
+place of ``segment_norms``, ``kernels.unrotate`` after decoding), and with the inverse fused
+into the decode (``Summed.unpack_bucket(..., rotation=)``), and reports the growth; goal: at
+most 1.5 passes.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ os.environ["NUMBA_NUM_THREADS"] = "1"
 
 import numpy as np  # noqa: E402
 
-from hvd_gqsgd import GlobalQSGD, kernels  # noqa: E402
+from hvd_gqsgd import GlobalQSGD, core, kernels  # noqa: E402
 
 Fns = dict[str, Callable[[], object]]
 
@@ -90,9 +98,46 @@ def tf_fns(n: int, bits: int) -> Fns:
     return fns
 
 
-def measure(framework: str, mb: int, bits: int, repeats: int) -> dict[str, float]:
+ROUND_TRIP = "kernels round trip"
+ROTATED = "kernels round trip, rotated"
+FUSED = "kernels round trip, rotated, decode fused with the inverse"
+
+
+def rotation_fns(n: int, bits: int) -> Fns:
+    """The kernels' round trip of one ``n``-element float32 bucket on one rank (the sum of
+    one rank's words is those words), without and with the rotation."""
+    block = core.DEFAULT_SCALE_BLOCK
+    counts = np.asarray(core.segments([n], block)[0])
+    level = core.levels(bits, 1)
+    x = np.random.default_rng(0).normal(size=n).astype(np.float32)
+    rotated, out = kernels.host_array(n, np.float32), kernels.host_array(n, np.float32)
+    words = kernels.host_array(core.packed_words(n, bits), np.int64)
+    key = core.rotation_key(0, 0, 1)
+
+    def round_trip(rotate: bool, fused: bool = False) -> None:
+        if rotate:
+            norms = kernels.rotate_norms(x, counts, block, key, "max", rotated)
+        else:
+            norms = kernels.segment_norms(x, counts, "max")
+        mult = np.divide(level, norms, out=np.zeros_like(norms), where=norms > 0)
+        kernels.quantize_pack(rotated if rotate else x, counts, mult, level, bits, 7, words)
+        steps = (norms / level).astype(np.float32)
+        kernels.Summed(words, bits).unpack_bucket(out, counts, steps,
+                                                  rotation=(block, key) if fused else None)
+        if rotate and not fused:
+            kernels.unrotate(out, counts, block, key)
+
+    return {ROUND_TRIP: functools.partial(round_trip, False),
+            ROTATED: functools.partial(round_trip, True),
+            FUSED: functools.partial(round_trip, True, True)}
+
+
+def measure(framework: str, mb: int, bits: int, repeats: int, rotation: bool = False
+            ) -> dict[str, float]:
     n = mb * 2**20 // 4
     fns = (torch_fns if framework == "torch" else tf_fns)(n, bits)
+    if rotation:
+        fns.update(rotation_fns(n, bits))
     a, b, c = np.random.rand(n).astype(np.float32), np.random.rand(n).astype(np.float32), \
         np.empty(n, np.float32)
     fns["np.add"] = lambda: np.add(a, b, out=c)
@@ -106,8 +151,12 @@ def report(framework: str, t: dict[str, float], mb: int, bits: int) -> str:
     figures = [f"{label} {1e3 * s:.1f} ms ({s / t_add:.2f} passes"
                f"{'; goal <= 4' if label == default and framework == 'torch' else ''})"
                for label, s in t.items() if label not in ("add", "np.add")]
-    return (f"{framework}: {mb} MB fp32, 1 rank, 1 thread, {path}: add {1e3 * t_add:.1f} ms, "
+    text = (f"{framework}: {mb} MB fp32, 1 rank, 1 thread, {path}: add {1e3 * t_add:.1f} ms, "
             + ", ".join(figures))
+    if ROTATED in t:
+        text += (f"; the rotation adds {(t[ROTATED] - t[ROUND_TRIP]) / t_add:.2f} passes, "
+                 f"{(t[FUSED] - t[ROUND_TRIP]) / t_add:.2f} with the fused decode (goal <= 1.5)")
+    return text
 
 
 def compare(args: argparse.Namespace) -> None:
@@ -136,11 +185,13 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=8)
     parser.add_argument("--framework", choices=("torch", "tf", "both"), default="torch")
     parser.add_argument("--json", action="store_true", help="print the raw medians as JSON")
+    parser.add_argument("--rotation", action="store_true",
+                        help="also time the kernels' round trip without and with the rotation")
     args = parser.parse_args()
     if args.framework == "both":
         compare(args)
         return
-    t = measure(args.framework, args.mb, args.bits, args.repeats)
+    t = measure(args.framework, args.mb, args.bits, args.repeats, args.rotation)
     print(json.dumps(t) if args.json else report(args.framework, t, args.mb, args.bits))
 
 

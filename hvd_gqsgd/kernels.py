@@ -303,91 +303,200 @@ if numba is not None:
             for t in range(numba.uint64(item_count[i])):  # unsigned: see _codes_run
                 out[o + t] = numba.float64(codes[lane + t]) * scale
 
-    @numba.njit
-    def _signed_run(x, out, lo, hi, offset):
-        """out[i] = d_i * x[i] for i in lo..hi, where d_i is the rotation's sign of the
-        element whose hash input is u32(i + offset) (``offset``: the global index's low bits
-        minus i, plus the seed).  A select, not a multiply: the same bits as x * -1."""
-        for i in range(lo, hi):  # unsigned: see _codes_run
-            v = x[i]
-            out[i] = -v if _mix32(_U(_U(i) + offset)) >> _U(31) else v
+    # The rotation (core, "Rotation").  A full block goes through scratch in L1: signs, then
+    # log2(B) butterfly stages in constant geometry (_passes), two at a time; the inverse
+    # runs the stages first, then 1/B and the signs.
 
     @numba.njit
-    def _unsigned_run(v, lo, hi, offset, inv):
-        # The inverse's last step, in place: v[i] = d_i * (v[i] * inv)
-        for i in range(lo, hi):
-            w = v[i] * inv
-            v[i] = -w if _mix32(_U(_U(i) + offset)) >> _U(31) else w
+    def _signed_copy(src, s0, dst, d0, t0, t1, base, scale):
+        """dst[d0 + t] = d_t * (src[s0 + t] * scale) for t in t0..t1, where d_t is the sign
+        of block element t: -1 where bit 31 of _mix32(u32(t + base)) is set (``base``: the
+        low bits of the block's first global index plus its seed, see _seed_bases).  ``-w``,
+        not ``w * -1``: the same bits, and a select vectorizes with the hash.  ``scale`` (1
+        forward, an exact 1/B in the inverse) multiplies first, as defined."""
+        for t in range(t0, t1):  # unsigned: see _codes_run
+            w = src[s0 + t] * scale
+            dst[d0 + t] = -w if _mix32(_U(_U(t) + base)) >> _U(31) else w
 
     @numba.njit(inline="always")
-    def _sign_cuts(lo, n, g, key):
-        """Elements lo..lo+n whose global indices start at g, cut where the global index
-        crosses a multiple of 2**32 (a new seed): (end of the first run, its offset, the
-        second's offset); a block of at most 2**16 elements crosses once at most."""
+    def _seed_bases(g, n, key):
+        """A block of n elements from global index g: where its hash seed changes (the
+        global index crosses a multiple of 2**32; a block of at most 2**16 elements crosses
+        once at most) and the ``base`` of :func:`_signed_copy` on either side."""
         high = g >> numba.uint64(32)
-        first = min(n, ((high + numba.uint64(1)) << numba.uint64(32)) - g)
-        off0 = _U(_U(g) - _U(lo) + _seed(key, high))
-        off1 = _U(_U(g) - _U(lo) + _seed(key, high + numba.uint64(1)))
-        return lo + first, off0, off1
+        cut = min(n, ((high + numba.uint64(1)) << numba.uint64(32)) - g)
+        return (cut, _U(_U(g) + _seed(key, high)),
+                _U(_U(g) + _seed(key, high + numba.uint64(1))))
 
     @numba.njit
-    def _butterflies(v, lo, block):
-        """The forward transform's butterflies (core, "Rotation") on v[lo:lo + block], in
-        place, stage by stage in the canonical order."""
-        h = numba.uint64(1)
-        while h < block:
-            for j0 in range(lo, lo + block, h + h):
-                for j in range(j0, j0 + h):
-                    a, b = v[j], v[j + h]
-                    v[j] = a + b
-                    v[j + h] = a - b
-            h += h
+    def _signed_block(src, s0, dst, d0, n, g, key, scale):
+        cut, base0, base1 = _seed_bases(g, n, key)
+        _signed_copy(src, s0, dst, d0, numba.uint64(0), cut, base0, scale)
+        _signed_copy(src, s0, dst, d0, cut, n, base1, scale)
+
+    @numba.njit
+    def _stage2(src, s0, dst, d0, half):
+        # One butterfly stage in constant geometry (Pease): the pair (2q, 2q+1) goes to
+        # (q, q + B/2), sum first, which rotates the index bits right by one.  Stage s thus
+        # pairs the elements whose original indices differ in bit s, that bit clear first:
+        # the canonical butterfly of h = 2**s, operand for operand, so the same bits; after
+        # log2(B) stages the bits are back in place.  Unlike the canonical loop, whose
+        # small-h stages pair elements inside one vector, every stage is this same
+        # contiguous loop, which vectorizes.
+        for q in range(half):  # unsigned: see _codes_run
+            a, b = src[s0 + q + q], src[s0 + q + q + numba.uint64(1)]
+            dst[d0 + q] = a + b
+            dst[d0 + q + half] = a - b
 
     @numba.njit(inline="always")
-    def _rotate_segment(x, out, lo, hi, block, key, start):
-        # A full block: signed copy, then butterflies in out; any other segment: a copy
-        if hi - lo != block:
+    def _quad(src, i):
+        # Two stages of _stage2 on src[i:i + 4], in the order _stage4 stores them
+        a, b, c, d = (src[i], src[i + numba.uint64(1)], src[i + numba.uint64(2)],
+                      src[i + numba.uint64(3)])
+        ab, amb, cd, cmd = a + b, a - b, c + d, c - d
+        return ab + cd, amb + cmd, ab - cd, amb - cmd
+
+    @numba.njit
+    def _stage4(src, s0, dst, d0, quarter):
+        # Two stages of _stage2 at once: half the loads and stores per stage
+        for q in range(quarter):
+            y0, y1, y2, y3 = _quad(src, s0 + numba.uint64(4) * q)
+            dst[d0 + q] = y0
+            dst[d0 + q + quarter] = y1
+            dst[d0 + q + numba.uint64(2) * quarter] = y2
+            dst[d0 + q + numba.uint64(3) * quarter] = y3
+
+    @numba.njit
+    def _passes(src, s0, dst, d0, block, stages, buf, b0):
+        """``stages`` stages of _stage2 (one alone first when odd, then two at a time) from
+        src[s0:s0 + block] to dst[d0:d0 + block], through the halves of buf (2 * block
+        scratch): b0 first, then the other (src may be the other)."""
+        n = (stages + 1) // 2
+        if n == 0:
+            for t in range(block):
+                dst[d0 + t] = src[s0 + t]
+            return
+        b1 = block - b0
+        for k in range(n):
+            radix2 = k == 0 and stages % 2 == 1
+            if n == 1:
+                _pass(src, s0, dst, d0, block, radix2)
+            elif k == 0:
+                _pass(src, s0, buf, b0, block, radix2)
+            elif k == n - 1:
+                _pass(buf, b0 if k % 2 else b1, dst, d0, block, radix2)
+            else:
+                _pass(buf, b0 if k % 2 else b1, buf, b1 if k % 2 else b0, block, radix2)
+
+    @numba.njit(inline="always")
+    def _pass(src, s0, dst, d0, block, radix2):
+        # (Arrays are never reassigned between passes: numba counts references on each
+        # assignment, which cost a fifth of the transform with one array per pass.)
+        if radix2:
+            _stage2(src, s0, dst, d0, block >> numba.uint64(1))
+        else:
+            _stage4(src, s0, dst, d0, block >> numba.uint64(2))
+
+    @numba.njit
+    def _log2(block):
+        stages = numba.uint64(0)
+        while (numba.uint64(1) << stages) < block:
+            stages += numba.uint64(1)
+        return stages
+
+    @numba.njit
+    def _forward(x, lo, out, block, g, key, buf, spare):
+        """out[lo:lo + block] = H_B (d * x[lo:lo + block]); g: the global index of x[lo];
+        spare: scratch of ``block``.  The last stage writes scratch and a plain copy writes
+        out: 2-3 ms faster per 64 MB than the last stage's four store streams into out."""
+        _signed_block(x, lo, buf, block, block, g, key, x.dtype.type(1))
+        _passes(buf, block, spare, numba.uint64(0), block, _log2(block), buf, numba.uint64(0))
+        for t in range(block):
+            out[lo + t] = spare[t]
+
+    @numba.njit
+    def _inverse(src, s0, out, lo, block, g, key, inv, buf, spare):
+        """out[lo:lo + block] = d * ((H_B src[s0:s0 + block]) * inv); src may be the upper
+        half of buf; spare: scratch of ``block``, none of src, out and buf.  (The signs in
+        the same loop as the last stages, or the forward's in the first, cost more here
+        than this separate pass over the block in L1.)"""
+        _passes(src, s0, spare, numba.uint64(0), block, _log2(block), buf, numba.uint64(0))
+        _signed_block(spare, numba.uint64(0), out, lo, block, g, key, inv)
+
+    @numba.njit(inline="always")
+    def _rotate_segment(x, out, lo, hi, block, key, start, buf, spare):
+        # A full block rotated into out; any other segment copied
+        if hi - lo == block:
+            _forward(x, lo, out, block, start + lo, key, buf, spare)
+        else:
             for i in range(lo, hi):
                 out[i] = x[i]
-            return
-        cut, off0, off1 = _sign_cuts(lo, block, start + lo, key)
-        _signed_run(x, out, lo, cut, off0)
-        _signed_run(x, out, cut, hi, off1)
-        _butterflies(out, lo, block)
+
+    @numba.njit(inline="always")
+    def _groups(segments, block):
+        # Segments per parallel work item (about BLOCK elements), and the item count
+        per = max(1, BLOCK // block)
+        return per, (segments + per - 1) // per
 
     def _rotate_absmax(x, out, out_bits, bounds, block, key, start, magnitude_mask, partial):
         # Every segment rotated (or copied) into out, then its max |.| as _items_absmax_bits
         # takes it, from the bits of out just written (still in cache)
-        for s in numba.prange(bounds.size - 1):
-            lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
-            _rotate_segment(x, out, lo, hi, numba.uint64(block), key, numba.uint64(start))
-            m = out_bits.dtype.type(0)
-            for i in range(lo, hi):
-                m = max(m, out_bits[i] & magnitude_mask)
-            partial[s] = m
+        per, items = _groups(bounds.size - 1, block)
+        n = numba.uint64(block)
+        for w in numba.prange(items):
+            buf, spare = np.empty(2 * block, x.dtype), np.empty(block, x.dtype)
+            for s in range(w * per, min((w + 1) * per, bounds.size - 1)):
+                lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
+                _rotate_segment(x, out, lo, hi, n, key, numba.uint64(start), buf, spare)
+                m = out_bits.dtype.type(0)
+                for i in range(lo, hi):
+                    m = max(m, out_bits[i] & magnitude_mask)
+                partial[s] = m
 
     def _rotate_l2(x, out, bounds, block, key, start, norms):
         # As _rotate_absmax, with the L2 norm summed exactly as _segment_l2 sums it
-        for s in numba.prange(bounds.size - 1):
-            lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
-            _rotate_segment(x, out, lo, hi, numba.uint64(block), key, numba.uint64(start))
-            acc = np.zeros(8)
-            for i in range(lo, hi):
-                v = numba.float64(out[i])
-                acc[i & numba.uint64(7)] += v * v
-            total = acc.sum()
-            norms[s] = np.sqrt(total) if np.isfinite(total) else np.inf
+        per, items = _groups(bounds.size - 1, block)
+        n = numba.uint64(block)
+        for w in numba.prange(items):
+            buf, spare = np.empty(2 * block, x.dtype), np.empty(block, x.dtype)
+            for s in range(w * per, min((w + 1) * per, bounds.size - 1)):
+                lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
+                _rotate_segment(x, out, lo, hi, n, key, numba.uint64(start), buf, spare)
+                acc = np.zeros(8)
+                for i in range(lo, hi):
+                    v = numba.float64(out[i])
+                    acc[i & numba.uint64(7)] += v * v
+                total = acc.sum()
+                norms[s] = np.sqrt(total) if np.isfinite(total) else np.inf
+
+    def _scale_unrotate(codes, seg_lo, seg_hi, seg_scale, out, block, key, start, inv):
+        # out = codes times their segment's scale, as _scale_items forms it (a float64
+        # product rounded once, on the store into out's dtype), and every full block then
+        # rotated back before it is stored: scaled into scratch, then _inverse
+        per, items = _groups(seg_lo.size, block)
+        n = numba.uint64(block)
+        for w in numba.prange(items):
+            buf, spare = np.empty(2 * block, out.dtype), np.empty(block, out.dtype)
+            for s in range(w * per, min((w + 1) * per, seg_lo.size)):
+                lo, hi = numba.uint64(seg_lo[s]), numba.uint64(seg_hi[s])
+                scale = numba.float64(seg_scale[s])
+                if hi - lo != n:
+                    for t in range(lo, hi):
+                        out[t] = numba.float64(codes[t]) * scale
+                    continue
+                for t in range(n):
+                    buf[n + t] = numba.float64(codes[lo + t]) * scale
+                _inverse(buf, n, out, lo, n, numba.uint64(start) + lo, key, inv, buf, spare)
 
     def _unrotate(v, bounds, block, key, start, inv):
-        for s in numba.prange(bounds.size - 1):
-            lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
-            if hi - lo != numba.uint64(block):
-                continue
-            _butterflies(v, lo, numba.uint64(block))
-            cut, off0, off1 = _sign_cuts(lo, numba.uint64(block), numba.uint64(start) + lo,
-                                         key)
-            _unsigned_run(v, lo, cut, off0, inv)
-            _unsigned_run(v, cut, hi, off1, inv)
+        per, items = _groups(bounds.size - 1, block)
+        n = numba.uint64(block)
+        for w in numba.prange(items):
+            buf, spare = np.empty(2 * block, v.dtype), np.empty(block, v.dtype)
+            for s in range(w * per, min((w + 1) * per, bounds.size - 1)):
+                lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
+                if hi - lo == n:
+                    _inverse(v, lo, v, lo, n, numba.uint64(start) + lo, key, inv, buf, spare)
 
     def _twin(fn):
         """Compile ``fn`` twice: threaded for big inputs, serial for small ones (a threaded
@@ -410,6 +519,7 @@ if numba is not None:
     _rotate_absmax = _twin(_rotate_absmax)
     _rotate_l2 = _twin(_rotate_l2)
     _unrotate = _twin(_unrotate)
+    _scale_unrotate = _twin(_scale_unrotate)
 
 
 # ranks that launchers start on one host: Open MPI, horovodrun (Gloo), torchrun, MPICH/Hydra
@@ -717,6 +827,24 @@ def unrotate(x: np.ndarray, counts: Sequence[int], block: int, key: int, start: 
          x.dtype.type(1.0 / block))
 
 
+def _window_segments(counts: Sequence[int], start: int, size: int, block: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The segments of ``counts`` cut to the bucket elements ``start .. start + size``: their
+    first and end elements (counted from ``start``) and their index.  Refuses a window that
+    cuts a full block (``block`` elements), whose inverse rotation needs all of it."""
+    bounds = _bounds(counts)
+    lo = np.clip(bounds[:-1], start, start + size) - start
+    hi = np.clip(bounds[1:], start, start + size) - start
+    keep = np.flatnonzero(hi > lo)
+    cut = (np.diff(bounds)[keep] == block) & (hi[keep] - lo[keep] != block)
+    if cut.any():
+        first = int(keep[np.argmax(cut)])
+        raise ValueError(f"elements {start}..{start + size} of the bucket cut the full block "
+                         f"at element {int(bounds[first])}, which a rotation transforms as a "
+                         "whole: decode the bucket whole, or in windows of whole blocks")
+    return lo[keep], hi[keep], keep
+
+
 def _bounds(counts: Sequence[int]) -> np.ndarray:
     """Segment boundaries: 0, then the running total of ``counts`` (int64)."""
     out = np.zeros(len(counts) + 1, dtype=np.int64)
@@ -892,29 +1020,42 @@ class Summed:
             self.lanes = words.view(lane)
 
     def unpack_bucket(self, out: np.ndarray, counts: Sequence[int], scales: np.ndarray,
-                      start: int = 0) -> None:
+                      start: int = 0, rotation: tuple[int, int] | None = None) -> None:
         """Every scale segment of the bucket into the flat ``out``, in one kernel call:
         segment ``i`` holds the next ``counts[i]`` elements (:func:`hvd_gqsgd.core.segments`)
         and takes ``scales[i]`` (in ``out``'s dtype).
 
         ``start > 0``: these words are a chunk (:func:`hvd_gqsgd.core.chunk_plan`, cut at a
         word boundary) whose first lane is bucket element ``start``, and ``out`` receives
-        bucket elements ``start .. start + out.size``."""
+        bucket elements ``start .. start + out.size``.
+
+        ``rotation=(block, key)``: then the inverse rotation of every full block, fused:
+        each block is scaled, transformed and written once, where :func:`unrotate` after
+        decoding reads and writes ``out`` once more; bit for bit ``unrotate(out, counts,
+        block, key, start)`` after the plain decode.  A full block must lie wholly inside
+        ``out`` (a chunk that cuts one is refused)."""
         if not out.size:
+            return
+        if self.lanes is not None:
+            codes = self.lanes
+        else:
+            if start % (64 // self.bits):
+                raise ValueError(f"a chunk starts at a word boundary, not at element {start}")
+            # Other widths: the lane sums first (exact in out's dtype: below 2**24 up to 25
+            # bits), then every segment times its scale, in place
+            exact = out.dtype == np.float64 or self.bits <= 25
+            codes = out if exact else host_array(out.size, np.float64)
+            _run(_unpack_fields, out.size, self.words, self.bits, _offset(self.bits), codes)
+        if rotation is not None:
+            block, key = rotation
+            lo, hi, segment = _window_segments(counts, start, out.size, block)
+            scale = np.asarray(scales, dtype=out.dtype)[segment]
+            _run(_scale_unrotate, out.size, codes, lo, hi, scale, out, block, np.uint64(key),
+                 start, out.dtype.type(1.0 / block))
             return
         lane, count, segment = _segment_items(counts, start, start + out.size)
         item_scale = np.asarray(scales, dtype=out.dtype)[segment]
-        if self.lanes is not None:
-            _run(_scale_items, out.size, self.lanes, lane, lane, count, item_scale, out)
-            return
-        if start % (64 // self.bits):
-            raise ValueError(f"a chunk starts at a word boundary, not at element {start}")
-        # Other widths: the lane sums first (exact in out's dtype: below 2**24 up to 25 bits),
-        # then every segment times its scale, in place
-        exact = out.dtype == np.float64 or self.bits <= 25
-        sums = out if exact else host_array(out.size, np.float64)
-        _run(_unpack_fields, out.size, self.words, self.bits, _offset(self.bits), sums)
-        _run(_scale_items, out.size, sums, lane, lane, count, item_scale, out)
+        _run(_scale_items, out.size, codes, lane, lane, count, item_scale, out)
 
     def unpack_scale(self, start: int, out: np.ndarray, scales: np.ndarray | float,
                      block: int = 0) -> None:

@@ -161,6 +161,51 @@ def test_non_finite_block_has_infinite_norm(norm, bad):
     assert np.isfinite(out[:block]).all() and np.isfinite(out[2 * block:3 * block]).all()
 
 
+@pytest.mark.parametrize("bits", [3, 4, 8, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [2, 64, 1024])
+def test_decode_fused_with_the_inverse_matches_oracle(bits, dtype, block):
+    # Summed.unpack_bucket(rotation=) against the oracle's inverse of the plain decode
+    numels = [5 * block + 3, block, 7]
+    counts, _ = core.segments(numels, block)
+    rng = np.random.default_rng(bits + block)
+    level = core.levels(bits, 2)
+    codes = rng.integers(-level, level + 1, size=sum(numels))
+    words = core.pack(NP, codes, bits) * 2  # a sum over two ranks
+    scales = rng.random(len(counts)).astype(dtype)
+    plain = np.empty(codes.size, dtype)
+    kernels.Summed(words.copy(), bits).unpack_bucket(plain, counts, scales)
+    np.testing.assert_array_equal(plain, (2 * codes * np.repeat(scales, counts)).astype(dtype))
+    fused = np.empty_like(plain)
+    kernels.Summed(words.copy(), bits).unpack_bucket(fused, counts, scales,
+                                                     rotation=(block, KEY))
+    _same_bits(fused, oracle.inverse(plain, counts, block, KEY))
+
+
+def test_decode_fused_with_the_inverse_by_windows():
+    # a chunk of whole blocks decodes on its own, its blocks keyed by their bucket index; a
+    # window that cuts a full block is refused
+    block, bits = 64, 8
+    counts, _ = core.segments([10 * block], block)
+    codes = np.random.default_rng(2).integers(-50, 51, size=10 * block)
+    words = core.pack(NP, codes, bits)
+    scales = np.linspace(0.5, 1.5, len(counts)).astype(np.float32)
+    whole = np.empty(codes.size, np.float32)
+    kernels.Summed(words.copy(), bits).unpack_bucket(whole, counts, scales,
+                                                     rotation=(block, KEY))
+    start, stop = 3 * block, 7 * block  # words 24 .. 56: whole blocks, at word boundaries
+    window = np.empty(stop - start, np.float32)
+    lanes = 64 // bits
+    kernels.Summed(words[start // lanes:stop // lanes].copy(), bits).unpack_bucket(
+        window, counts, scales, start=start, rotation=(block, KEY))
+    _same_bits(window, whole[start:stop])
+    with pytest.raises(ValueError, match="elements 160..408 of the bucket cut the full block "
+                                         "at element 128"):
+        kernels.Summed(words[24:55].copy(), bits).unpack_bucket(
+            np.empty(31 * lanes, np.float32), counts, scales, start=start - block // 2,
+            rotation=(block, KEY))
+
+
 # ----------------------------------------------------------------------------- generic path
 
 
