@@ -104,6 +104,16 @@ def test_kernels_match_oracle_on_any_layout(log_block, start, numels, dtype):
     _same_bits(out, oracle.inverse(expected, counts, block, KEY, start))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotate_norms_in_place(dtype):
+    block = 32
+    x, counts = _bucket([9 * block + 5], block, dtype)
+    expected = oracle.forward(x, counts, block, KEY, 4)
+    norms = kernels.rotate_norms(x, counts, block, KEY, "max", x, 4)
+    _same_bits(x, expected)
+    _same_bits(norms, kernels.segment_norms(expected, np.asarray(counts), "max"))
+
+
 def test_threaded_kernels_match_oracle(monkeypatch):
     monkeypatch.setattr(kernels, "_budget", numba.config.NUMBA_NUM_THREADS)
     assert kernels._threads() > 1, "needs a machine with 2+ CPUs to run the threaded twins"
@@ -117,7 +127,15 @@ def test_threaded_kernels_match_oracle(monkeypatch):
         _same_bits(out, expected)
         _same_bits(norms, kernels.segment_norms(expected, np.asarray(counts), norm))
     kernels.unrotate(out, counts, block, KEY, 3)
-    _same_bits(out, oracle.inverse(expected, counts, block, KEY, 3))
+    inverse = oracle.inverse(expected, counts, block, KEY, 3)
+    _same_bits(out, inverse)
+    words = core.pack(NP, np.arange(x.size) % 201 - 100, 8)
+    scales = np.linspace(1.0, 2.0, len(counts)).astype(np.float32)
+    plain = np.empty_like(x)
+    kernels.Summed(words.copy(), 8).unpack_bucket(plain, counts, scales)
+    fused = np.empty_like(x)
+    kernels.Summed(words.copy(), 8).unpack_bucket(fused, counts, scales, rotation=(block, KEY))
+    _same_bits(fused, oracle.inverse(plain, counts, block, KEY))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
