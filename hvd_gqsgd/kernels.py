@@ -379,17 +379,16 @@ if numba is not None:
             for t in range(block):
                 dst[d0 + t] = src[s0 + t]
             return
-        b1 = block - b0
-        for k in range(n):
-            radix2 = k == 0 and stages % 2 == 1
-            if n == 1:
-                _pass(src, s0, dst, d0, block, radix2)
-            elif k == 0:
-                _pass(src, s0, buf, b0, block, radix2)
-            elif k == n - 1:
-                _pass(buf, b0 if k % 2 else b1, dst, d0, block, radix2)
-            else:
-                _pass(buf, b0 if k % 2 else b1, buf, b1 if k % 2 else b0, block, radix2)
+        radix2 = stages % 2 == 1
+        if n == 1:
+            _pass(src, s0, dst, d0, block, radix2)
+            return
+        _pass(src, s0, buf, b0, block, radix2)
+        at = b0
+        for _ in range(n - 2):
+            _stage4(buf, at, buf, block - at, block >> numba.uint64(2))
+            at = block - at
+        _stage4(buf, at, dst, d0, block >> numba.uint64(2))
 
     @numba.njit(inline="always")
     def _pass(src, s0, dst, d0, block, radix2):
@@ -408,11 +407,12 @@ if numba is not None:
         return stages
 
     @numba.njit
-    def _forward(x, lo, out, block, g, key, buf, spare):
+    def _forward(x, lo, out, block, g, key, one, buf, spare):
         """out[lo:lo + block] = H_B (d * x[lo:lo + block]); g: the global index of x[lo];
-        spare: scratch of ``block``.  The last stage writes scratch and a plain copy writes
-        out: 2-3 ms faster per 64 MB than the last stage's four store streams into out."""
-        _signed_block(x, lo, buf, block, block, g, key, x.dtype.type(1))
+        one: 1 in x's dtype; spare: scratch of ``block``.  The last stage writes scratch and
+        a plain copy writes out: 2-3 ms faster per 64 MB than the last stage's four store
+        streams into out."""
+        _signed_block(x, lo, buf, block, block, g, key, one)
         _passes(buf, block, spare, numba.uint64(0), block, _log2(block), buf, numba.uint64(0))
         for t in range(block):
             out[lo + t] = spare[t]
@@ -427,10 +427,10 @@ if numba is not None:
         _signed_block(spare, numba.uint64(0), out, lo, block, g, key, inv)
 
     @numba.njit(inline="always")
-    def _rotate_segment(x, out, lo, hi, block, key, start, buf, spare):
+    def _rotate_segment(x, out, lo, hi, block, key, start, one, buf, spare):
         # A full block rotated into out; any other segment copied
         if hi - lo == block:
-            _forward(x, lo, out, block, start + lo, key, buf, spare)
+            _forward(x, lo, out, block, start + lo, key, one, buf, spare)
         else:
             for i in range(lo, hi):
                 out[i] = x[i]
@@ -441,7 +441,8 @@ if numba is not None:
         per = max(1, BLOCK // block)
         return per, (segments + per - 1) // per
 
-    def _rotate_absmax(x, out, out_bits, bounds, block, key, start, magnitude_mask, partial):
+    def _rotate_absmax(x, out, out_bits, bounds, block, key, start, one, magnitude_mask,
+                       partial):
         # Every segment rotated (or copied) into out, then its max |.| as _items_absmax_bits
         # takes it, from the bits of out just written (still in cache)
         per, items = _groups(bounds.size - 1, block)
@@ -450,13 +451,13 @@ if numba is not None:
             buf, spare = np.empty(2 * block, x.dtype), np.empty(block, x.dtype)
             for s in range(w * per, min((w + 1) * per, bounds.size - 1)):
                 lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
-                _rotate_segment(x, out, lo, hi, n, key, numba.uint64(start), buf, spare)
+                _rotate_segment(x, out, lo, hi, n, key, numba.uint64(start), one, buf, spare)
                 m = out_bits.dtype.type(0)
                 for i in range(lo, hi):
                     m = max(m, out_bits[i] & magnitude_mask)
                 partial[s] = m
 
-    def _rotate_l2(x, out, bounds, block, key, start, norms):
+    def _rotate_l2(x, out, bounds, block, key, start, one, norms):
         # As _rotate_absmax, with the L2 norm summed exactly as _segment_l2 sums it
         per, items = _groups(bounds.size - 1, block)
         n = numba.uint64(block)
@@ -464,7 +465,7 @@ if numba is not None:
             buf, spare = np.empty(2 * block, x.dtype), np.empty(block, x.dtype)
             for s in range(w * per, min((w + 1) * per, bounds.size - 1)):
                 lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
-                _rotate_segment(x, out, lo, hi, n, key, numba.uint64(start), buf, spare)
+                _rotate_segment(x, out, lo, hi, n, key, numba.uint64(start), one, buf, spare)
                 acc = np.zeros(8)
                 for i in range(lo, hi):
                     v = numba.float64(out[i])
@@ -817,12 +818,14 @@ def rotate_norms(x: np.ndarray, counts: Sequence[int], block: int, key: int, nor
     bounds = _bounds(counts)
     if norm == "l2":
         norms = np.empty(bounds.size - 1, dtype=np.float64)
-        _run(_rotate_l2, x.size, x, out, bounds, block, np.uint64(key), start, norms)
+        _run(_rotate_l2, x.size, x, out, bounds, block, np.uint64(key), start, x.dtype.type(1),
+             norms)
         return norms
     uint = np.uint32 if x.dtype == np.float32 else np.uint64
     partial = np.empty(bounds.size - 1, dtype=uint)
+    # (the 1 comes from here: x.dtype.type(1) inside a kernel is a float64)
     _run(_rotate_absmax, x.size, x, out, out.view(uint), bounds, block, np.uint64(key), start,
-         uint(np.iinfo(uint).max >> 1), partial)
+         x.dtype.type(1), uint(np.iinfo(uint).max >> 1), partial)
     absmax = partial.view(x.dtype).astype(np.float64)
     return np.where(np.isfinite(absmax), absmax, np.inf)
 
