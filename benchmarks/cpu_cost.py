@@ -6,17 +6,18 @@ in the same process.
     HVD_GQSGD_KERNELS=0 python benchmarks/cpu_cost.py    # generic torch-op path
     python benchmarks/cpu_cost.py --framework tf         # TensorFlow, hvd.allreduce in tf.function
     python benchmarks/cpu_cost.py --framework both       # both (one process each), and TF / torch
-    python benchmarks/cpu_cost.py --rotation --bits 4    # + the kernels' round trip, rotated
+    python benchmarks/cpu_cost.py --rotation --bits 4    # the kernels' round trip, rotated
 
 Goals: <= 4 passes in PyTorch (the naive fp32 torch version costs about 14); TensorFlow
 within 1.3x of PyTorch.  ``both`` compares the two in milliseconds and in NumPy add passes
 (each process times ``np.add`` too, so drift between the two processes cancels).
 
-``--rotation`` adds the fused kernels' own round trip of the bucket (norms, quantize_pack,
-decode, as the engine runs them on one rank, without Horovod) three times: as is, with the
-Hadamard rotation at the default 1024-element scale blocks (``kernels.rotate_norms`` in
-place of ``segment_norms``, ``kernels.unrotate`` after decoding), and with the inverse fused
-into the decode (``Summed.unpack_bucket(..., rotation=)``), and reports the growth; goal: at
+``--rotation`` times, instead, the fused kernels' own round trip of the bucket (norms,
+quantize_pack, decode, as the engine runs them on one rank, without Horovod) three times:
+as is, with the Hadamard rotation at the default 1024-element scale blocks
+(``kernels.rotate_norms`` in place of ``segment_norms``, ``kernels.unrotate`` after
+decoding), and with the inverse fused into the decode (``Summed.unpack_bucket(...,
+rotation=)``), in this thread's CPU time against ``torch.add``; goal: the rotation adds at
 most 1.5 passes.
 """
 
@@ -42,7 +43,8 @@ from hvd_gqsgd import GlobalQSGD, core, kernels  # noqa: E402
 Fns = dict[str, Callable[[], object]]
 
 
-def median_times(fns: Fns, repeats: int) -> dict[str, float]:
+def median_times(fns: Fns, repeats: int, clock: Callable[[], float] = time.perf_counter
+                 ) -> dict[str, float]:
     """Median seconds of each function.  The functions take turns within every repeat, so
     a slow spell of this shared machine hits the baseline and the candidates alike instead
     of skewing their ratio."""
@@ -51,9 +53,9 @@ def median_times(fns: Fns, repeats: int) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start = clock()
             fn()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -132,12 +134,29 @@ def rotation_fns(n: int, bits: int) -> Fns:
             FUSED: functools.partial(round_trip, True, True)}
 
 
-def measure(framework: str, mb: int, bits: int, repeats: int, rotation: bool = False
-            ) -> dict[str, float]:
+def rotation_report(mb: int, bits: int, repeats: int) -> str:
+    """The kernels' round trip without and with the rotation, against ``torch.add``, all in
+    this thread's CPU time (every one of them runs on this thread alone, and unlike wall
+    time, CPU time leaves out the spells when other work on a shared machine holds the
+    core)."""
+    import torch
+
+    torch.set_num_threads(1)
+    n = mb * 2**20 // 4
+    x, y, out = torch.randn(n), torch.randn(n), torch.empty(n)
+    fns: Fns = {"add": lambda: torch.add(x, y, out=out), **rotation_fns(n, bits)}
+    t = median_times(fns, repeats, clock=time.thread_time)
+    t_add, plain = t["add"], t[ROUND_TRIP]
+    return (f"kernels, {mb} MB fp32, bits={bits}, 1 thread, thread CPU time: add "
+            f"{1e3 * t_add:.1f} ms, round trip {1e3 * plain:.1f} ms ({plain / t_add:.2f} "
+            f"passes), rotated {1e3 * t[ROTATED]:.1f} ms (+{(t[ROTATED] - plain) / t_add:.2f} "
+            f"passes), decode fused with the inverse {1e3 * t[FUSED]:.1f} ms "
+            f"(+{(t[FUSED] - plain) / t_add:.2f} passes; goal: at most +1.5)")
+
+
+def measure(framework: str, mb: int, bits: int, repeats: int) -> dict[str, float]:
     n = mb * 2**20 // 4
     fns = (torch_fns if framework == "torch" else tf_fns)(n, bits)
-    if rotation:
-        fns.update(rotation_fns(n, bits))
     a, b, c = np.random.rand(n).astype(np.float32), np.random.rand(n).astype(np.float32), \
         np.empty(n, np.float32)
     fns["np.add"] = lambda: np.add(a, b, out=c)
@@ -151,12 +170,8 @@ def report(framework: str, t: dict[str, float], mb: int, bits: int) -> str:
     figures = [f"{label} {1e3 * s:.1f} ms ({s / t_add:.2f} passes"
                f"{'; goal <= 4' if label == default and framework == 'torch' else ''})"
                for label, s in t.items() if label not in ("add", "np.add")]
-    text = (f"{framework}: {mb} MB fp32, 1 rank, 1 thread, {path}: add {1e3 * t_add:.1f} ms, "
+    return (f"{framework}: {mb} MB fp32, 1 rank, 1 thread, {path}: add {1e3 * t_add:.1f} ms, "
             + ", ".join(figures))
-    if ROTATED in t:
-        text += (f"; the rotation adds {(t[ROTATED] - t[ROUND_TRIP]) / t_add:.2f} passes, "
-                 f"{(t[FUSED] - t[ROUND_TRIP]) / t_add:.2f} with the fused decode (goal <= 1.5)")
-    return text
 
 
 def compare(args: argparse.Namespace) -> None:
@@ -186,12 +201,15 @@ def main() -> None:
     parser.add_argument("--framework", choices=("torch", "tf", "both"), default="torch")
     parser.add_argument("--json", action="store_true", help="print the raw medians as JSON")
     parser.add_argument("--rotation", action="store_true",
-                        help="also time the kernels' round trip without and with the rotation")
+                        help="only time the kernels' round trip without and with the rotation")
     args = parser.parse_args()
+    if args.rotation:
+        print(rotation_report(args.mb, args.bits, args.repeats))
+        return
     if args.framework == "both":
         compare(args)
         return
-    t = measure(args.framework, args.mb, args.bits, args.repeats, args.rotation)
+    t = measure(args.framework, args.mb, args.bits, args.repeats)
     print(json.dumps(t) if args.json else report(args.framework, t, args.mb, args.bits))
 
 

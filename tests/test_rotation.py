@@ -89,6 +89,18 @@ def test_kernels_match_oracle(dtype, block, norm):
     _same_bits(x, before)  # rotate_norms only reads x
 
 
+@pytest.mark.parametrize("block", [2048, 1 << 15, core.MAX_ROTATION_BLOCK])
+def test_kernels_match_oracle_on_large_blocks(block):
+    # an odd log2(B) (a radix-2 pass), and the largest block
+    x, counts = _bucket([2 * block + 17, block], block, np.float32, seed=block)
+    expected = oracle.forward(x, counts, block, KEY, 5)
+    out = np.empty_like(x)
+    kernels.rotate_norms(x, counts, block, KEY, "max", out, 5)
+    _same_bits(out, expected)
+    kernels.unrotate(out, counts, block, KEY, 5)
+    _same_bits(out, oracle.inverse(expected, counts, block, KEY, 5))
+
+
 @settings(max_examples=40, deadline=None)
 @given(log_block=st.integers(1, 10), start=st.integers(0, 2**40),
        numels=st.lists(st.integers(1, 3000), min_size=1, max_size=5),
