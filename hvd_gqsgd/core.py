@@ -42,9 +42,10 @@ Rotation
 With ``Settings.rotation`` every full scale block is multiplied by a shared-seed randomized
 Walsh-Hadamard matrix before its norm is taken, and by the inverse after decoding, so that
 one large coordinate no longer sets the scale of the whole block.  The definition, which
-the fused kernels (``kernels.rotate_norms``, ``kernels.unrotate``), the generic path
-(:func:`rotate`, on every framework's :class:`TensorOps`) and tests/rotation_oracle.py
-follow bit for bit in float32 and float64:
+the fused kernels (``kernels.rotate_norms``, ``kernels.unrotate`` and the decode fused with
+it, ``kernels.Summed.unpack_bucket(..., rotation=)``), the generic path (:func:`rotate`, on
+every framework's :class:`TensorOps`) and tests/rotation_oracle.py follow bit for bit in
+float32 and float64:
 
 * **What rotates.**  The bucket's scale segments (:func:`segments` with ``block``) whose
   count equals ``block``: the *full blocks* (:func:`full_blocks`).  Shorter segments are
@@ -67,10 +68,10 @@ follow bit for bit in float32 and float64:
   The pairs of one stage are independent, so any loop order within a stage gives the same
   bits; the order of the stages is what every implementation keeps.
 * **Inverse.**  ``x_b = d_b * ((H_B y_b) * (1/B))``: the same butterflies, then the exact
-  power of two ``1/B``, then the signs.  Global-QSGD's scale is taken after the rotation
-  and a common factor does not change the quantized result, so the ``1/sqrt(B)`` of the
-  orthonormal transform is left out of the forward, and ``1/B`` is exact where
-  ``1/sqrt(B)`` would not be.  The round trip is exact in float64 wherever the butterflies
+  power of two ``1/B``, then the signs.  Global-QSGD divides by a scale taken after the
+  rotation, so a common factor cancels (up to rounding): the ``1/sqrt(B)`` of the
+  orthonormal transform is left out of the forward, and the inverse's ``1/B`` is exact
+  where ``1/sqrt(B)`` would not be.  The round trip is exact in float64 wherever the butterflies
   are (small integers, say); elsewhere each stage may round, so it returns ``x`` to
   within a few ulps times ``log2(B)``.
 """
@@ -444,8 +445,10 @@ class TensorOps(Protocol):
     def rshift(self, x: Any, shift: int) -> Any: ...
     def isfinite(self, x: Any) -> Any: ...
     def where(self, cond: Any, a: Any, b: Any) -> Any: ...
-    # rotation (see rotate): int64 index rows, gathering and placing them, one butterfly
-    # stage, and the bit arithmetic of the sign hash (int64 holding uint32 values)
+    # rotation (see rotate): int64 index rows (row r: starts[r] + 0 .. width - 1), gathering
+    # and placing them (scatter_rows may write into out, rotate's own copy, and returns it),
+    # one butterfly stage over the last dim, and the sign hash's bit arithmetic (int64
+    # tensors holding uint32 values)
     def copy(self, x: Any) -> Any: ...
     def row_index(self, starts: Sequence[int], width: int, like: Any) -> Any: ...
     def gather_rows(self, x: Any, index: Any) -> Any: ...
@@ -831,8 +834,8 @@ def rotate(ops: TensorOps, x: Any, counts: Sequence[int], block: int, key: int,
     Chunks of at most ``ROTATE_CHUNK_ROWS`` blocks (and ``ROTATE_CHUNK_ELEMENTS``
     elements): each is gathered into a ``(k, block)`` matrix, signed and transformed
     (forward) or transformed, scaled by ``1/block`` and signed (inverse), and placed into the
-    copy.  :func:`hvd_gqsgd.kernels.rotate_norms` and :func:`~hvd_gqsgd.kernels.unrotate`
-    are its fused CPU twins, bit for bit.
+    copy.  :func:`hvd_gqsgd.kernels.rotate_norms`, :func:`~hvd_gqsgd.kernels.unrotate` and
+    ``kernels.Summed.unpack_bucket(..., rotation=)`` are its fused CPU twins, bit for bit.
 
     Example::
 
