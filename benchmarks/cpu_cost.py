@@ -6,10 +6,19 @@ in the same process.
     HVD_GQSGD_KERNELS=0 python benchmarks/cpu_cost.py    # generic torch-op path
     python benchmarks/cpu_cost.py --framework tf         # TensorFlow, hvd.allreduce in tf.function
     python benchmarks/cpu_cost.py --framework both       # both (one process each), and TF / torch
+    python benchmarks/cpu_cost.py --rotation --bits 4    # the kernels' round trip, rotated
 
 Goals: <= 4 passes in PyTorch (the naive fp32 torch version costs about 14); TensorFlow
 within 1.3x of PyTorch.  ``both`` compares the two in milliseconds and in NumPy add passes
 (each process times ``np.add`` too, so drift between the two processes cancels).
+
+``--rotation`` times, instead, the fused kernels' own round trip of the bucket (norms,
+quantize_pack, decode, as the engine runs them on one rank, without Horovod) three times:
+as is, with the Hadamard rotation at the default 1024-element scale blocks
+(``kernels.rotate_norms`` in place of ``segment_norms``, ``kernels.unrotate`` after
+decoding), and with the inverse fused into the decode (``Summed.unpack_bucket(...,
+rotation=)``), in this thread's CPU time against ``torch.add``; goal: the rotation adds at
+most 1.5 passes.
 """
 
 from __future__ import annotations
@@ -29,12 +38,13 @@ os.environ["NUMBA_NUM_THREADS"] = "1"
 
 import numpy as np  # noqa: E402
 
-from hvd_gqsgd import GlobalQSGD, kernels  # noqa: E402
+from hvd_gqsgd import GlobalQSGD, core, kernels  # noqa: E402
 
 Fns = dict[str, Callable[[], object]]
 
 
-def median_times(fns: Fns, repeats: int) -> dict[str, float]:
+def median_times(fns: Fns, repeats: int, clock: Callable[[], float] = time.perf_counter
+                 ) -> dict[str, float]:
     """Median seconds of each function.  The functions take turns within every repeat, so
     a slow spell of this shared machine hits the baseline and the candidates alike instead
     of skewing their ratio."""
@@ -43,9 +53,9 @@ def median_times(fns: Fns, repeats: int) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start = clock()
             fn()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -88,6 +98,60 @@ def tf_fns(n: int, bits: int) -> Fns:
     for i, (label, comp) in enumerate(variants(bits).items()):
         fns[label] = reducer(comp, f"gq{i}")
     return fns
+
+
+ROUND_TRIP = "kernels round trip"
+ROTATED = "kernels round trip, rotated"
+FUSED = "kernels round trip, rotated, decode fused with the inverse"
+
+
+def rotation_fns(n: int, bits: int) -> Fns:
+    """The kernels' round trip of one ``n``-element float32 bucket on one rank (the sum of
+    one rank's words is those words), without and with the rotation."""
+    block = core.DEFAULT_SCALE_BLOCK
+    counts = np.asarray(core.segments([n], block)[0])
+    level = core.levels(bits, 1)
+    x = np.random.default_rng(0).normal(size=n).astype(np.float32)
+    rotated, out = kernels.host_array(n, np.float32), kernels.host_array(n, np.float32)
+    words = kernels.host_array(core.packed_words(n, bits), np.int64)
+    key = core.rotation_key(0, 0, 1)
+
+    def round_trip(rotate: bool, fused: bool = False) -> None:
+        if rotate:
+            norms = kernels.rotate_norms(x, counts, block, key, "max", rotated)
+        else:
+            norms = kernels.segment_norms(x, counts, "max")
+        mult = np.divide(level, norms, out=np.zeros_like(norms), where=norms > 0)
+        kernels.quantize_pack(rotated if rotate else x, counts, mult, level, bits, 7, words)
+        steps = (norms / level).astype(np.float32)
+        kernels.Summed(words, bits).unpack_bucket(out, counts, steps,
+                                                  rotation=(block, key) if fused else None)
+        if rotate and not fused:
+            kernels.unrotate(out, counts, block, key)
+
+    return {ROUND_TRIP: functools.partial(round_trip, False),
+            ROTATED: functools.partial(round_trip, True),
+            FUSED: functools.partial(round_trip, True, True)}
+
+
+def rotation_report(mb: int, bits: int, repeats: int) -> str:
+    """The kernels' round trip without and with the rotation, against ``torch.add``, all in
+    this thread's CPU time (every one of them runs on this thread alone, and unlike wall
+    time, CPU time leaves out the spells when other work on a shared machine holds the
+    core)."""
+    import torch
+
+    torch.set_num_threads(1)
+    n = mb * 2**20 // 4
+    x, y, out = torch.randn(n), torch.randn(n), torch.empty(n)
+    fns: Fns = {"add": lambda: torch.add(x, y, out=out), **rotation_fns(n, bits)}
+    t = median_times(fns, repeats, clock=time.thread_time)
+    t_add, plain = t["add"], t[ROUND_TRIP]
+    return (f"kernels, {mb} MB fp32, bits={bits}, 1 thread, thread CPU time: add "
+            f"{1e3 * t_add:.1f} ms, round trip {1e3 * plain:.1f} ms ({plain / t_add:.2f} "
+            f"passes), rotated {1e3 * t[ROTATED]:.1f} ms (+{(t[ROTATED] - plain) / t_add:.2f} "
+            f"passes), decode fused with the inverse {1e3 * t[FUSED]:.1f} ms "
+            f"(+{(t[FUSED] - plain) / t_add:.2f} passes; goal: at most +1.5)")
 
 
 def measure(framework: str, mb: int, bits: int, repeats: int) -> dict[str, float]:
@@ -136,7 +200,12 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=8)
     parser.add_argument("--framework", choices=("torch", "tf", "both"), default="torch")
     parser.add_argument("--json", action="store_true", help="print the raw medians as JSON")
+    parser.add_argument("--rotation", action="store_true",
+                        help="only time the kernels' round trip without and with the rotation")
     args = parser.parse_args()
+    if args.rotation:
+        print(rotation_report(args.mb, args.bits, args.repeats))
+        return
     if args.framework == "both":
         compare(args)
         return

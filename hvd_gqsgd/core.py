@@ -36,6 +36,44 @@ Two-stage
 same bound with ``w``), then requantizes each shard's exact sum once to ``bits``
 (``requantize``, ``stage_two_multipliers``, ``stage_two_steps``); ``two_stage_plan`` and
 ``message_layout`` say which rank owns which words and where each part's codes land.
+
+Rotation
+--------
+With ``Settings.rotation`` every full scale block is multiplied by a shared-seed randomized
+Walsh-Hadamard matrix before its norm is taken, and by the inverse after decoding, so that
+one large coordinate no longer sets the scale of the whole block.  The definition, which
+the fused kernels (``kernels.rotate_norms``, ``kernels.unrotate`` and the decode fused with
+it, ``kernels.Summed.unpack_bucket(..., rotation=)``), the generic path (:func:`rotate`, on
+every framework's :class:`TensorOps`) and tests/rotation_oracle.py follow bit for bit in
+float32 and float64:
+
+* **What rotates.**  The bucket's scale segments (:func:`segments` with ``block``) whose
+  count equals ``block``: the *full blocks* (:func:`full_blocks`).  Shorter segments are
+  left as they are.  ``block`` is a power of two in [2, ``MAX_ROTATION_BLOCK``].
+* **Signs.**  Bucket element ``i`` (its global index: ``start`` plus its index in the
+  array at hand) takes ``d_i = -1`` if bit 31 of ``h_i`` is set, else ``+1``, where
+  ``h_i = mix32((low32(i) + seed(key, i >> 32)) mod 2**32)`` is the hash that keys the
+  rounding noise (``kernels.noise`` takes its top 24 bits; ``kernels.signs`` is the NumPy
+  twin).  ``key`` (:func:`rotation_key`) is the same on every rank, so every rank rotates
+  by the same matrix and the sum of rotated vectors is the rotation of their sum.
+* **Forward** (unnormalized).  ``y_b = H_B (d_b * x_b)`` for each full block ``b``, where
+  ``H_B`` is the Sylvester Hadamard matrix, applied by butterflies in this order, in the
+  vector's own dtype::
+
+      for h = 1, 2, 4, ..., B/2:
+          for every j in [0, B) with (j // h) even:
+              a, b = v[j], v[j + h]
+              v[j], v[j + h] = a + b, a - b
+
+  The pairs of one stage are independent, so any loop order within a stage gives the same
+  bits; the order of the stages is what every implementation keeps.
+* **Inverse.**  ``x_b = d_b * ((H_B y_b) * (1/B))``: the same butterflies, then the exact
+  power of two ``1/B``, then the signs.  Global-QSGD divides by a scale taken after the
+  rotation, so a common factor cancels (up to rounding): the ``1/sqrt(B)`` of the
+  orthonormal transform is left out of the forward, and the inverse's ``1/B`` is exact
+  where ``1/sqrt(B)`` would not be.  The round trip is exact in float64 wherever the butterflies
+  are (small integers, say); elsewhere each stage may round, so it returns ``x`` to
+  within a few ulps times ``log2(B)``.
 """
 
 from __future__ import annotations
@@ -97,6 +135,15 @@ __all__ = [
     "stage_two_multipliers",
     "requantize",
     "stage_two_steps",
+    "ROTATIONS",
+    "MAX_ROTATION_BLOCK",
+    "AUTO_ROTATION_MAX_BITS",
+    "ROTATE_CHUNK_ROWS",
+    "ROTATE_CHUNK_ELEMENTS",
+    "rotation_block",
+    "rotation_key",
+    "full_blocks",
+    "rotate",
 ]
 
 MIN_BITS = 2
@@ -114,6 +161,11 @@ AUTO_CHUNK_BYTES = 1 << 21
 AUTO_BUCKET_BYTES = 8 << 20
 # Elements per global scale (Settings.scale_block); see docs/CONVERGENCE.md and LOW_BITS.md
 DEFAULT_SCALE_BLOCK = 1024
+# Settings.rotation: the rotations there are, and the largest block one acts on
+ROTATIONS = ("hadamard",)
+MAX_ROTATION_BLOCK = 1 << 16
+# rotation="auto" rotates at this many bits and fewer (rotation_block)
+AUTO_ROTATION_MAX_BITS = 4
 
 
 def levels(bits: int, world_size: int) -> int:
@@ -298,6 +350,12 @@ class Settings:
             (:mod:`hvd_gqsgd.two_stage`); ``False``: flat Global-QSGD; ``None``: two-stage
             where flat would leave fewer than ``AUTO_MIN_LEVELS`` levels
             (:func:`use_two_stage`).
+        rotation: ``"hadamard"``: rotate every full scale block by a shared-seed randomized
+            Walsh-Hadamard matrix before quantizing and back after decoding (the module
+            docstring's "Rotation"; needs ``scale_block`` a power of two in [2,
+            ``MAX_ROTATION_BLOCK``]); ``None``: no rotation; ``"auto"``: ``"hadamard"`` at
+            ``AUTO_ROTATION_MAX_BITS`` bits and fewer when ``scale_block`` allows it, else
+            none (:func:`rotation_block`).
     """
 
     bits: int = 8
@@ -308,6 +366,7 @@ class Settings:
     scale_block: int = DEFAULT_SCALE_BLOCK
     hierarchical: bool = False
     two_stage: bool | None = None
+    rotation: str | None = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, int):
@@ -354,6 +413,19 @@ class Settings:
             raise ValueError(
                 f"hierarchical=True sends each bucket as one shard per rank, not in chunks; "
                 f"got chunk_bytes={self.chunk_bytes}: use chunk_bytes=0 with it")
+        self._check_rotation()
+
+    def _check_rotation(self) -> None:
+        named = ("auto", *ROTATIONS)
+        if self.rotation is not None and not (isinstance(self.rotation, str)
+                                              and self.rotation in named):
+            raise ValueError(f"rotation must be None (off) or one of {named}, got "
+                             f"{self.rotation!r}")
+        if self.rotation == "hadamard" and not _rotatable(self.scale_block):
+            raise ValueError(
+                f"rotation='hadamard' rotates each scale block, so scale_block must be a power "
+                f"of two in [2, {MAX_ROTATION_BLOCK}], got scale_block={self.scale_block}: use "
+                f"scale_block={DEFAULT_SCALE_BLOCK} (the default) with rotation='hadamard'")
 
 
 # --------------------------------------------------------------------------- tensor ops
@@ -373,6 +445,17 @@ class TensorOps(Protocol):
     def rshift(self, x: Any, shift: int) -> Any: ...
     def isfinite(self, x: Any) -> Any: ...
     def where(self, cond: Any, a: Any, b: Any) -> Any: ...
+    # rotation (see rotate): int64 index rows (row r: starts[r] + 0 .. width - 1), gathering
+    # and placing them (scatter_rows may write into out, rotate's own copy, and returns it),
+    # one butterfly stage over the last dim, and the sign hash's bit arithmetic (int64
+    # tensors holding uint32 values)
+    def copy(self, x: Any) -> Any: ...
+    def row_index(self, starts: Sequence[int], width: int, like: Any) -> Any: ...
+    def gather_rows(self, x: Any, index: Any) -> Any: ...
+    def scatter_rows(self, out: Any, index: Any, rows: Any) -> Any: ...
+    def butterfly(self, rows: Any, h: int) -> Any: ...
+    def bitxor(self, x: Any, y: Any) -> Any: ...
+    def cast_like(self, x: Any, like: Any) -> Any: ...
 
 
 def quantize(ops: TensorOps, x: Any, mult: Any, noise: Any, n_levels: int) -> Any:
@@ -691,3 +774,116 @@ def stage_two_steps(part_max: Any, steps1: Any, bits: int) -> Any:
     stage-1 code) times ``s / L1`` of the part's segment (:func:`step_sizes` with L1; NaN for
     a non-finite scale, which poisons the part as in flat Global-QSGD)."""
     return part_max / levels(bits, 1) * steps1
+
+
+# --------------------------------------------------------------------------- rotation
+# The definition is the module docstring's "Rotation" section.
+
+
+# The generic rotate transforms at most this many blocks, and this many elements (one block
+# at least), at once: its transient tensors (int64 index rows, gathered rows, the sign hash)
+# stay bounded per chunk instead of growing with the bucket
+ROTATE_CHUNK_ROWS = 1024
+ROTATE_CHUNK_ELEMENTS = 1 << 20
+_MASK32 = 0xFFFFFFFF
+
+
+def _rotatable(block: int) -> bool:
+    """Whether a rotation can act on scale blocks of ``block`` elements."""
+    return (not isinstance(block, bool) and isinstance(block, int)
+            and 2 <= block <= MAX_ROTATION_BLOCK and block & (block - 1) == 0)
+
+
+def rotation_block(settings: Settings) -> int:
+    """The block the rotation acts on (``settings.scale_block``), 0 when it is off:
+    ``"hadamard"`` always rotates (Settings checked the block), ``None`` never, ``"auto"``
+    at ``AUTO_ROTATION_MAX_BITS`` bits and fewer when ``scale_block`` is a power of two in
+    [2, MAX_ROTATION_BLOCK] (so ``scale_block=0``, one scale per tensor, turns it off)."""
+    if settings.rotation == "hadamard":
+        return settings.scale_block
+    if (settings.rotation == "auto" and settings.bits <= AUTO_ROTATION_MAX_BITS
+            and _rotatable(settings.scale_block)):
+        return settings.scale_block
+    return 0
+
+
+def rotation_key(seed: int | None, stream: int, count: int) -> int:
+    """The 64-bit sign key of one rotation, the same on every rank (it must not depend on the
+    rank: every rank rotates by the same matrix, so that summing commutes with it).
+    ``stream`` names the bucket position or call site and ``count`` the round, so every
+    bucket of every round gets fresh signs; with ``seed=None`` they are still shared, as
+    the stream and round counters are."""
+    text = f"gqsgd-rotation:{'none' if seed is None else seed}:{stream}:{count}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def full_blocks(counts: Sequence[int], block: int) -> list[int]:
+    """Start offsets (in the bucket, from 0) of the segments of ``counts`` elements that hold
+    exactly ``block`` elements: the blocks a rotation transforms."""
+    ends = itertools.accumulate(counts, initial=0)  # one Python step per segment
+    return list(itertools.compress(ends, [c == block for c in counts]))
+
+
+def rotate(ops: TensorOps, x: Any, counts: Sequence[int], block: int, key: int,
+           start: int = 0, inverse: bool = False) -> Any:
+    """Generic path: the flat float32/64 bucket ``x`` (segments of ``counts`` elements; its
+    element 0 is bucket element ``start``) with every full block rotated forward, or back
+    with ``inverse``, as the module docstring defines it.  Returns a new tensor; ``x``
+    (which may be a user's tensor) is never modified.
+
+    Chunks of at most ``ROTATE_CHUNK_ROWS`` blocks (and ``ROTATE_CHUNK_ELEMENTS``
+    elements): each is gathered into a ``(k, block)`` matrix, signed and transformed
+    (forward) or transformed, scaled by ``1/block`` and signed (inverse), and placed into the
+    copy.  :func:`hvd_gqsgd.kernels.rotate_norms`, :func:`~hvd_gqsgd.kernels.unrotate` and
+    ``kernels.Summed.unpack_bucket(..., rotation=)`` are its fused CPU twins, bit for bit.
+
+    Example::
+
+        key = rotation_key(seed, stream=0, count=step)
+        y = rotate(ops, flat, counts, 1024, key)              # before the norms
+        back = rotate(ops, y, counts, 1024, key, inverse=True)  # after decoding
+    """
+    if block & (block - 1) or not 2 <= block <= MAX_ROTATION_BLOCK:
+        raise ValueError(f"a rotation acts on blocks of a power of two in [2, "
+                         f"{MAX_ROTATION_BLOCK}] elements, got block={block}")
+    starts = full_blocks(counts, block)
+    rows_per_chunk = max(1, min(ROTATE_CHUNK_ROWS, ROTATE_CHUNK_ELEMENTS // block))
+    out = ops.copy(x)
+    for c in range(0, len(starts), rows_per_chunk):
+        index = ops.row_index(starts[c:c + rows_per_chunk], block, x)
+        rows = ops.gather_rows(x, index)
+        signs = ops.cast_like(1 - 2 * _sign_bits(ops, index + start, key), rows)
+        if not inverse:
+            rows = rows * signs  # exact: a sign flip
+        h = 1
+        while h < block:
+            rows = ops.butterfly(rows, h)
+            h *= 2
+        if inverse:
+            rows = rows * (1.0 / block) * signs  # a power of two, then the signs: as defined
+        out = ops.scatter_rows(out, index, rows)
+    return out
+
+
+def _sign_bits(ops: TensorOps, index: Any, key: int) -> Any:
+    """Bit 31 (0 or 1, int64) of the sign hash of every global element ``index`` (int64):
+    kernels._seed and kernels._mix32, spelled with TensorOps on int64 holding uint32."""
+    high = ops.bitand(ops.rshift(index, 32) + (key >> 32), _MASK32)
+    seed = ops.bitxor(_mix32(ops, high), key & _MASK32)
+    return ops.rshift(_mix32(ops, ops.bitand(ops.bitand(index, _MASK32) + seed, _MASK32)), 31)
+
+
+def _mix32(ops: TensorOps, z: Any) -> Any:
+    """kernels._mix32 on int64 tensors holding values in [0, 2**32)."""
+    z = _mul32(ops, ops.bitxor(z, ops.rshift(z, 16)), 0x7FEB352D)
+    z = _mul32(ops, ops.bitxor(z, ops.rshift(z, 15)), 0x846CA68B)
+    return ops.bitxor(z, ops.rshift(z, 16))
+
+
+def _mul32(ops: TensorOps, z: Any, c: int) -> Any:
+    """``z * c mod 2**32`` for ``z`` in [0, 2**32) without leaving int64: ``c`` in 16-bit
+    halves, each product below 2**48 (a wrapping int64 multiply would do as well in torch,
+    but signed overflow is undefined behaviour in the C++ under TF's kernels)."""
+    low = z * (c & 0xFFFF)
+    high = ops.bitand(z * (c >> 16), 0xFFFF)  # only its low 16 bits reach bits 16..31
+    return ops.bitand(low + high * 0x10000, _MASK32)

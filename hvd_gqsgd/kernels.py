@@ -8,6 +8,9 @@
 * :class:`Summed`: a bucket's summed words, decoded one tensor at a time straight to floats.
 * :class:`WireWatch`: quantizes a chunk while earlier ones are on the wire, optionally at
   lower priority (``HVD_GQSGD_OVERLAP_NICE``).
+* ``rotate_norms`` / ``unrotate``: the shared-seed Hadamard rotation of every full scale
+  block (``core``'s "Rotation"), forward with the segment norms in the same pass, and back;
+  ``Summed.unpack_bucket(rotation=...)`` fuses the inverse into the decode.
 
 They compute exactly what ``core.quantize`` + ``core.pack`` and ``core.unpack`` + rescale
 compute (tests/test_kernels.py checks this bit for bit), with one difference: the rounding
@@ -46,7 +49,7 @@ except ImportError:  # the generic path in core still works
     numba = None  # type: ignore[assignment]
 
 __all__ = ["Summed", "WireWatch", "available", "noise", "overlap_nice", "quantize_pack",
-           "segment_norms", "thread_budget"]
+           "rotate_norms", "segment_norms", "signs", "thread_budget", "unrotate"]
 
 _UNIT = 2.0**-24  # the rounding noise's resolution
 BLOCK = 1 << 14  # elements per work item: big enough to amortise, small enough for L2
@@ -61,13 +64,25 @@ def available() -> bool:
 def noise(key: int, start: int, count: int) -> np.ndarray:
     """The float64 uniforms in [0, 1) (multiples of 2**-24) that the kernels use for elements
     ``start .. start + count`` of a bucket keyed by ``key`` (NumPy, for tests and oracles)."""
+    return (_hash_np(key, start, count) >> np.uint32(8)) * _UNIT
+
+
+def signs(key: int, start: int, count: int) -> np.ndarray:
+    """The rotation's float64 signs (+1 or -1) of elements ``start .. start + count`` of a
+    bucket whose rotation is keyed by ``key``: -1 where the top bit of the same hash as
+    :func:`noise` is set (the definition: :mod:`hvd_gqsgd.core`, "Rotation")."""
+    return 1.0 - 2.0 * (_hash_np(key, start, count) >> np.uint32(31))
+
+
+def _hash_np(key: int, start: int, count: int) -> np.ndarray:
+    """The kernels' 32-bit hash of every element ``start .. start + count`` (uint32)."""
     i = np.arange(start, start + count, dtype=np.uint64)
     k = np.uint64(key)
     key_low, key_high = np.uint32(k & np.uint64(0xFFFFFFFF)), np.uint32(k >> np.uint64(32))
     with np.errstate(over="ignore"):
         high = (i >> np.uint64(32)).astype(np.uint32)
         seed = key_low ^ _mix32_np(key_high + high)
-        return (_mix32_np(i.astype(np.uint32) + seed) >> np.uint32(8)) * _UNIT
+        return _mix32_np(i.astype(np.uint32) + seed)
 
 
 def _mix32_np(z: np.ndarray) -> np.ndarray:
@@ -291,6 +306,198 @@ if numba is not None:
             for t in range(numba.uint64(item_count[i])):  # unsigned: see _codes_run
                 out[o + t] = numba.float64(codes[lane + t]) * scale
 
+    # The rotation (core, "Rotation").  A full block goes through scratch in L1: signs, then
+    # log2(B) butterfly stages in constant geometry (_passes), two at a time; the inverse
+    # runs the stages first, then 1/B and the signs.
+
+    @numba.njit
+    def _signed_copy(src, s0, dst, d0, t0, t1, base, scale):
+        """dst[d0 + t] = d_t * (src[s0 + t] * scale) for t in t0..t1, where d_t is the sign
+        of block element t: -1 where bit 31 of _mix32(u32(t + base)) is set (``base``: the
+        low bits of the block's first global index plus its seed, see _seed_bases).  ``-w``,
+        not ``w * -1``: the same bits, and a select vectorizes with the hash.  ``scale`` (1
+        forward, an exact 1/B in the inverse) multiplies first, as defined."""
+        for t in range(t0, t1):  # unsigned: see _codes_run
+            w = src[s0 + t] * scale
+            dst[d0 + t] = -w if _mix32(_U(_U(t) + base)) >> _U(31) else w
+
+    @numba.njit(inline="always")
+    def _seed_bases(g, n, key):
+        """A block of n elements from global index g: where its hash seed changes (the
+        global index crosses a multiple of 2**32; a block of at most 2**16 elements crosses
+        once at most) and the ``base`` of :func:`_signed_copy` on either side."""
+        high = g >> numba.uint64(32)
+        cut = min(n, ((high + numba.uint64(1)) << numba.uint64(32)) - g)
+        return (cut, _U(_U(g) + _seed(key, high)),
+                _U(_U(g) + _seed(key, high + numba.uint64(1))))
+
+    @numba.njit
+    def _signed_block(src, s0, dst, d0, n, g, key, scale):
+        cut, base0, base1 = _seed_bases(g, n, key)
+        _signed_copy(src, s0, dst, d0, numba.uint64(0), cut, base0, scale)
+        _signed_copy(src, s0, dst, d0, cut, n, base1, scale)
+
+    @numba.njit
+    def _stage2(src, s0, dst, d0, half):
+        # One butterfly stage in constant geometry (Pease): the pair (2q, 2q+1) goes to
+        # (q, q + B/2), sum first, which rotates the index bits right by one.  Stage s thus
+        # pairs the elements whose original indices differ in bit s, that bit clear first:
+        # the canonical butterfly of h = 2**s, operand for operand, so the same bits; after
+        # log2(B) stages the bits are back in place.  Unlike the canonical loop, whose
+        # small-h stages pair elements inside one vector, every stage is this same
+        # contiguous loop, which vectorizes.
+        for q in range(half):  # unsigned: see _codes_run
+            a, b = src[s0 + q + q], src[s0 + q + q + numba.uint64(1)]
+            dst[d0 + q] = a + b
+            dst[d0 + q + half] = a - b
+
+    @numba.njit(inline="always")
+    def _quad(src, i):
+        # Two stages of _stage2 on src[i:i + 4], in the order _stage4 stores them
+        a, b, c, d = (src[i], src[i + numba.uint64(1)], src[i + numba.uint64(2)],
+                      src[i + numba.uint64(3)])
+        ab, amb, cd, cmd = a + b, a - b, c + d, c - d
+        return ab + cd, amb + cmd, ab - cd, amb - cmd
+
+    @numba.njit
+    def _stage4(src, s0, dst, d0, quarter):
+        # Two stages of _stage2 at once: half the loads and stores per stage
+        for q in range(quarter):
+            y0, y1, y2, y3 = _quad(src, s0 + numba.uint64(4) * q)
+            dst[d0 + q] = y0
+            dst[d0 + q + quarter] = y1
+            dst[d0 + q + numba.uint64(2) * quarter] = y2
+            dst[d0 + q + numba.uint64(3) * quarter] = y3
+
+    @numba.njit
+    def _passes(src, s0, dst, d0, block, stages, buf, b0):
+        """``stages`` (at least 1) stages of _stage2, one alone first when odd, then two at a
+        time, from src[s0:s0 + block] to dst[d0:d0 + block] through the halves of buf (2 *
+        block scratch): b0 first, then the other (src may be the other).  Only offsets
+        change from pass to pass, never which array: numba counts references on every
+        array assignment, and choosing an array per pass made the transform 15-20% slower."""
+        n = (stages + 1) // 2
+        radix2 = stages % 2 == 1
+        if n == 1:
+            _pass(src, s0, dst, d0, block, radix2)
+            return
+        _pass(src, s0, buf, b0, block, radix2)
+        at = b0
+        for _ in range(n - 2):
+            _stage4(buf, at, buf, block - at, block >> numba.uint64(2))
+            at = block - at
+        _stage4(buf, at, dst, d0, block >> numba.uint64(2))
+
+    @numba.njit(inline="always")
+    def _pass(src, s0, dst, d0, block, radix2):
+        if radix2:
+            _stage2(src, s0, dst, d0, block >> numba.uint64(1))
+        else:
+            _stage4(src, s0, dst, d0, block >> numba.uint64(2))
+
+    @numba.njit
+    def _log2(block):
+        stages = numba.uint64(0)
+        while (numba.uint64(1) << stages) < block:
+            stages += numba.uint64(1)
+        return stages
+
+    @numba.njit
+    def _forward(x, lo, out, block, g, key, one, buf, spare):
+        """out[lo:lo + block] = H_B (d * x[lo:lo + block]); g: the global index of x[lo];
+        one: 1 in x's dtype; spare: scratch of ``block``.  The last stage writes scratch and
+        a plain copy writes out: 2-3 ms faster per 64 MB than the last stage's four store
+        streams into out."""
+        _signed_block(x, lo, buf, block, block, g, key, one)
+        _passes(buf, block, spare, numba.uint64(0), block, _log2(block), buf, numba.uint64(0))
+        for t in range(block):
+            out[lo + t] = spare[t]
+
+    @numba.njit
+    def _inverse(src, s0, out, lo, block, g, key, inv, buf, spare):
+        """out[lo:lo + block] = d * ((H_B src[s0:s0 + block]) * inv); src may be the upper
+        half of buf; spare: scratch of ``block``, none of src, out and buf.  (The signs in
+        the loop of the last two stages, or the forward's in the first two, took 0.31-0.34
+        ns per element against 0.22 for the plain stages and this separate pass, in L1.)"""
+        _passes(src, s0, spare, numba.uint64(0), block, _log2(block), buf, numba.uint64(0))
+        _signed_block(spare, numba.uint64(0), out, lo, block, g, key, inv)
+
+    @numba.njit(inline="always")
+    def _rotate_segment(x, out, lo, hi, block, key, start, one, buf, spare):
+        # A full block rotated into out; any other segment copied
+        if hi - lo == block:
+            _forward(x, lo, out, block, start + lo, key, one, buf, spare)
+        else:
+            for i in range(lo, hi):
+                out[i] = x[i]
+
+    @numba.njit(inline="always")
+    def _groups(segments, block):
+        # Segments per parallel work item (about BLOCK elements), and the item count
+        per = max(1, BLOCK // block)
+        return per, (segments + per - 1) // per
+
+    def _rotate_absmax(x, out, out_bits, bounds, block, key, start, one, magnitude_mask,
+                       partial):
+        # Every segment rotated (or copied) into out, then its max |.| as _items_absmax_bits
+        # takes it, from the bits of out just written (still in cache)
+        per, items = _groups(bounds.size - 1, block)
+        n = numba.uint64(block)
+        for w in numba.prange(items):
+            buf, spare = np.empty(2 * block, x.dtype), np.empty(block, x.dtype)
+            for s in range(w * per, min((w + 1) * per, bounds.size - 1)):
+                lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
+                _rotate_segment(x, out, lo, hi, n, key, numba.uint64(start), one, buf, spare)
+                m = out_bits.dtype.type(0)
+                for i in range(lo, hi):
+                    m = max(m, out_bits[i] & magnitude_mask)
+                partial[s] = m
+
+    def _rotate_l2(x, out, bounds, block, key, start, one, norms):
+        # As _rotate_absmax, with the L2 norm summed exactly as _segment_l2 sums it
+        per, items = _groups(bounds.size - 1, block)
+        n = numba.uint64(block)
+        for w in numba.prange(items):
+            buf, spare = np.empty(2 * block, x.dtype), np.empty(block, x.dtype)
+            for s in range(w * per, min((w + 1) * per, bounds.size - 1)):
+                lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
+                _rotate_segment(x, out, lo, hi, n, key, numba.uint64(start), one, buf, spare)
+                acc = np.zeros(8)
+                for i in range(lo, hi):
+                    v = numba.float64(out[i])
+                    acc[i & numba.uint64(7)] += v * v
+                total = acc.sum()
+                norms[s] = np.sqrt(total) if np.isfinite(total) else np.inf
+
+    def _scale_unrotate(codes, seg_lo, seg_hi, seg_scale, out, block, key, start, inv):
+        # out = codes times their segment's scale, as _scale_items forms it (a float64
+        # product rounded once, on the store into out's dtype), and every full block then
+        # rotated back before it is stored: scaled into scratch, then _inverse
+        per, items = _groups(seg_lo.size, block)
+        n = numba.uint64(block)
+        for w in numba.prange(items):
+            buf, spare = np.empty(2 * block, out.dtype), np.empty(block, out.dtype)
+            for s in range(w * per, min((w + 1) * per, seg_lo.size)):
+                lo, hi = numba.uint64(seg_lo[s]), numba.uint64(seg_hi[s])
+                scale = numba.float64(seg_scale[s])
+                if hi - lo != n:
+                    for t in range(lo, hi):
+                        out[t] = numba.float64(codes[t]) * scale
+                    continue
+                for t in range(n):
+                    buf[n + t] = numba.float64(codes[lo + t]) * scale
+                _inverse(buf, n, out, lo, n, numba.uint64(start) + lo, key, inv, buf, spare)
+
+    def _unrotate(v, bounds, block, key, start, inv):
+        per, items = _groups(bounds.size - 1, block)
+        n = numba.uint64(block)
+        for w in numba.prange(items):
+            buf, spare = np.empty(2 * block, v.dtype), np.empty(block, v.dtype)
+            for s in range(w * per, min((w + 1) * per, bounds.size - 1)):
+                lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
+                if hi - lo == n:
+                    _inverse(v, lo, v, lo, n, numba.uint64(start) + lo, key, inv, buf, spare)
+
     def _twin(fn):
         """Compile ``fn`` twice: threaded for big inputs, serial for small ones (a threaded
         launch costs about 1 ms, more than a small tensor's whole work).  The serial twin
@@ -309,6 +516,10 @@ if numba is not None:
     _scale_lanes = _twin(_scale_lanes)
     _unpack_fields = _twin(_unpack_fields)
     _scale_items = _twin(_scale_items)
+    _rotate_absmax = _twin(_rotate_absmax)
+    _rotate_l2 = _twin(_rotate_l2)
+    _unrotate = _twin(_unrotate)
+    _scale_unrotate = _twin(_scale_unrotate)
 
 
 # ranks that launchers start on one host: Open MPI, horovodrun (Gloo), torchrun, MPICH/Hydra
@@ -586,6 +797,70 @@ def segment_norms(x: np.ndarray, counts: np.ndarray, norm: str) -> np.ndarray:
     return np.where(np.isfinite(absmax), absmax, np.inf)
 
 
+def rotate_norms(x: np.ndarray, counts: Sequence[int], block: int, key: int, norm: str,
+                 out: np.ndarray, start: int = 0) -> np.ndarray:
+    """The forward rotation (:mod:`hvd_gqsgd.core`, "Rotation") of the flat bucket ``x``
+    (float32/64; segment ``s`` is the next ``counts[s]`` elements, ``x[0]`` is bucket element
+    ``start``) into ``out`` (same dtype and size): every full block (``block`` elements)
+    rotated with the signs keyed by ``key``, every other segment copied.  Returns the
+    per-segment norms of ``out``, float64, exactly as :func:`segment_norms` of ``out`` gives
+    them (``inf`` for a segment with a NaN/Inf), computed while each segment is still in
+    cache.  Bit for bit what :func:`hvd_gqsgd.core.rotate` computes.
+
+    ``out`` may be ``x`` itself when the caller owns it (a bucket's own flat copy): each
+    block is read whole before it is written, and in place it measured 15-17 ms per 64 MB
+    against 20-22 ms into a separate buffer (which the first write to each line must also
+    read).  Never in place on a user's tensor."""
+    bounds = _bounds(counts)
+    if norm == "l2":
+        norms = np.empty(bounds.size - 1, dtype=np.float64)
+        _run(_rotate_l2, x.size, x, out, bounds, block, np.uint64(key), start, x.dtype.type(1),
+             norms)
+        return norms
+    uint = np.uint32 if x.dtype == np.float32 else np.uint64
+    partial = np.empty(bounds.size - 1, dtype=uint)
+    # (the 1 comes from here: x.dtype.type(1) inside a kernel is a float64)
+    _run(_rotate_absmax, x.size, x, out, out.view(uint), bounds, block, np.uint64(key), start,
+         x.dtype.type(1), uint(np.iinfo(uint).max >> 1), partial)
+    absmax = partial.view(x.dtype).astype(np.float64)
+    return np.where(np.isfinite(absmax), absmax, np.inf)
+
+
+def unrotate(x: np.ndarray, counts: Sequence[int], block: int, key: int, start: int = 0
+             ) -> None:
+    """The inverse rotation of every full block of ``x`` (as :func:`rotate_norms` lays the
+    bucket out), in place: bit for bit ``core.rotate(..., inverse=True)``.  After decoding,
+    ``Summed.unpack_bucket(..., rotation=(block, key))`` does the same in the decode's own
+    pass over the bucket."""
+    _run(_unrotate, x.size, x, _bounds(counts), block, np.uint64(key), start,
+         x.dtype.type(1.0 / block))
+
+
+def _window_segments(counts: Sequence[int], start: int, size: int, block: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The segments of ``counts`` cut to the bucket elements ``start .. start + size``: their
+    first and end elements (counted from ``start``) and their index.  Refuses a window that
+    cuts a full block (``block`` elements), whose inverse rotation needs all of it."""
+    bounds = _bounds(counts)
+    lo = np.clip(bounds[:-1], start, start + size) - start
+    hi = np.clip(bounds[1:], start, start + size) - start
+    keep = np.flatnonzero(hi > lo)
+    cut = (np.diff(bounds)[keep] == block) & (hi[keep] - lo[keep] != block)
+    if cut.any():
+        first = int(keep[np.argmax(cut)])
+        raise ValueError(f"elements {start}..{start + size} of the bucket cut the full block "
+                         f"at element {int(bounds[first])}, which a rotation transforms as a "
+                         "whole: decode the bucket whole, or in windows of whole blocks")
+    return lo[keep], hi[keep], keep
+
+
+def _bounds(counts: Sequence[int]) -> np.ndarray:
+    """Segment boundaries: 0, then the running total of ``counts`` (int64)."""
+    out = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
 def quantize_pack(x: np.ndarray, counts: np.ndarray, mult: np.ndarray, level: int, bits: int,
                   key: int, words: np.ndarray) -> None:
     """Quantize flat ``x`` (float32/64; tensor ``s`` is the next ``counts[s]`` elements,
@@ -754,29 +1029,42 @@ class Summed:
             self.lanes = words.view(lane)
 
     def unpack_bucket(self, out: np.ndarray, counts: Sequence[int], scales: np.ndarray,
-                      start: int = 0) -> None:
+                      start: int = 0, rotation: tuple[int, int] | None = None) -> None:
         """Every scale segment of the bucket into the flat ``out``, in one kernel call:
         segment ``i`` holds the next ``counts[i]`` elements (:func:`hvd_gqsgd.core.segments`)
         and takes ``scales[i]`` (in ``out``'s dtype).
 
         ``start > 0``: these words are a chunk (:func:`hvd_gqsgd.core.chunk_plan`, cut at a
         word boundary) whose first lane is bucket element ``start``, and ``out`` receives
-        bucket elements ``start .. start + out.size``."""
+        bucket elements ``start .. start + out.size``.
+
+        ``rotation=(block, key)``: then the inverse rotation of every full block, fused:
+        each block is scaled, transformed and written once, where :func:`unrotate` after
+        decoding reads and writes ``out`` once more; bit for bit ``unrotate(out, counts,
+        block, key, start)`` after the plain decode.  A full block must lie wholly inside
+        ``out`` (a chunk that cuts one is refused)."""
         if not out.size:
+            return
+        if self.lanes is not None:
+            codes = self.lanes
+        else:
+            if start % (64 // self.bits):
+                raise ValueError(f"a chunk starts at a word boundary, not at element {start}")
+            # Other widths: the lane sums first (exact in out's dtype: below 2**24 up to 25
+            # bits), then every segment times its scale, in place
+            exact = out.dtype == np.float64 or self.bits <= 25
+            codes = out if exact else host_array(out.size, np.float64)
+            _run(_unpack_fields, out.size, self.words, self.bits, _offset(self.bits), codes)
+        if rotation is not None:
+            block, key = rotation
+            lo, hi, segment = _window_segments(counts, start, out.size, block)
+            scale = np.asarray(scales, dtype=out.dtype)[segment]
+            _run(_scale_unrotate, out.size, codes, lo, hi, scale, out, block, np.uint64(key),
+                 start, out.dtype.type(1.0 / block))
             return
         lane, count, segment = _segment_items(counts, start, start + out.size)
         item_scale = np.asarray(scales, dtype=out.dtype)[segment]
-        if self.lanes is not None:
-            _run(_scale_items, out.size, self.lanes, lane, lane, count, item_scale, out)
-            return
-        if start % (64 // self.bits):
-            raise ValueError(f"a chunk starts at a word boundary, not at element {start}")
-        # Other widths: the lane sums first (exact in out's dtype: below 2**24 up to 25 bits),
-        # then every segment times its scale, in place
-        exact = out.dtype == np.float64 or self.bits <= 25
-        sums = out if exact else host_array(out.size, np.float64)
-        _run(_unpack_fields, out.size, self.words, self.bits, _offset(self.bits), sums)
-        _run(_scale_items, out.size, sums, lane, lane, count, item_scale, out)
+        _run(_scale_items, out.size, codes, lane, lane, count, item_scale, out)
 
     def unpack_scale(self, start: int, out: np.ndarray, scales: np.ndarray | float,
                      block: int = 0) -> None:

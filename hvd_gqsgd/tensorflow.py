@@ -204,6 +204,31 @@ class TensorFlowBackend:
     def where(self, cond: Any, a: Any, b: Any) -> Any:
         return tf.where(cond, a, tf.constant(b, a.dtype))
 
+    def copy(self, x: Any) -> Any:
+        return tf.identity(x)
+
+    def row_index(self, starts: Sequence[int], width: int, like: Any) -> Any:
+        first = tf.constant(list(starts), dtype=tf.int64)
+        return first[:, None] + tf.range(width, dtype=tf.int64)[None, :]
+
+    def gather_rows(self, x: Any, index: Any) -> Any:
+        return tf.gather(x, index)
+
+    def scatter_rows(self, out: Any, index: Any, rows: Any) -> Any:
+        return tf.tensor_scatter_nd_update(out, tf.reshape(index, [-1, 1]), tf.reshape(rows, [-1]))
+
+    def butterfly(self, rows: Any, h: int) -> Any:
+        k, width = rows.shape  # static: rotate's chunks have known sizes
+        pairs = tf.reshape(rows, [k, width // (2 * h), 2, h])
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        return tf.reshape(tf.stack([a + b, a - b], axis=2), [k, width])
+
+    def bitxor(self, x: Any, y: Any) -> Any:
+        return tf.bitwise.bitwise_xor(x, y if tf.is_tensor(y) else tf.constant(y, x.dtype))
+
+    def cast_like(self, x: Any, like: Any) -> Any:
+        return tf.cast(x, like.dtype)
+
     # --- tensors
     def is_compressible(self, t: Any) -> bool:
         if not t.dtype.is_floating:

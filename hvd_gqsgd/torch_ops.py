@@ -143,6 +143,31 @@ class TorchOps:
     def rshift(self, x: Any, shift: int) -> Any:
         return torch.bitwise_right_shift(x, shift)
 
+    def copy(self, x: Any) -> Any:
+        return x.clone()
+
+    def row_index(self, starts: Sequence[int], width: int, like: Any) -> Any:
+        first = torch.tensor(list(starts), dtype=torch.int64, device=like.device)
+        return first[:, None] + torch.arange(width, dtype=torch.int64, device=like.device)
+
+    def gather_rows(self, x: Any, index: Any) -> Any:
+        return x[index]
+
+    def scatter_rows(self, out: Any, index: Any, rows: Any) -> Any:
+        out[index] = rows  # out is rotate's own copy: written in place
+        return out
+
+    def butterfly(self, rows: Any, h: int) -> Any:
+        pairs = rows.view(rows.shape[0], -1, 2, h)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        return torch.stack((a + b, a - b), dim=2).view(rows.shape)
+
+    def bitxor(self, x: Any, y: Any) -> Any:
+        return torch.bitwise_xor(x, y)
+
+    def cast_like(self, x: Any, like: Any) -> Any:
+        return x.to(like.dtype)
+
 
 @dataclass
 class TwoStageSums:

@@ -38,3 +38,27 @@ class NumpyOps:
 
     def where(self, cond, a, b):
         return np.where(cond, a, b)
+
+    def copy(self, x):
+        return np.array(x, copy=True)
+
+    def row_index(self, starts, width, like):
+        return np.asarray(starts, dtype=np.int64).reshape(-1, 1) + np.arange(width)
+
+    def gather_rows(self, x, index):
+        return x[index]
+
+    def scatter_rows(self, out, index, rows):
+        out[index] = rows
+        return out
+
+    def butterfly(self, rows, h):
+        pairs = rows.reshape(rows.shape[0], -1, 2, h)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        return np.stack([a + b, a - b], axis=2).reshape(rows.shape)
+
+    def bitxor(self, x, y):
+        return np.bitwise_xor(x, y)
+
+    def cast_like(self, x, like):
+        return np.asarray(x).astype(like.dtype)
