@@ -144,6 +144,8 @@ __all__ = [
     "rotation_key",
     "full_blocks",
     "rotate",
+    "hash32",
+    "uniforms",
 ]
 
 MIN_BITS = 2
@@ -852,7 +854,7 @@ def rotate(ops: TensorOps, x: Any, counts: Sequence[int], block: int, key: int,
     for c in range(0, len(starts), rows_per_chunk):
         index = ops.row_index(starts[c:c + rows_per_chunk], block, x)
         rows = ops.gather_rows(x, index)
-        signs = ops.cast_like(1 - 2 * _sign_bits(ops, index + start, key), rows)
+        signs = ops.cast_like(1 - 2 * ops.rshift(hash32(ops, index + start, key), 31), rows)
         if not inverse:
             rows = rows * signs  # exact: a sign flip
         h = 1
@@ -865,12 +867,21 @@ def rotate(ops: TensorOps, x: Any, counts: Sequence[int], block: int, key: int,
     return out
 
 
-def _sign_bits(ops: TensorOps, index: Any, key: int) -> Any:
-    """Bit 31 (0 or 1, int64) of the sign hash of every global element ``index`` (int64):
-    kernels._seed and kernels._mix32, spelled with TensorOps on int64 holding uint32."""
+def hash32(ops: TensorOps, index: Any, key: int) -> Any:
+    """The 32-bit hash (int64 holding uint32) of every element ``index`` (int64) of a piece
+    keyed by ``key``: kernels._seed and kernels._mix32, spelled with TensorOps.  The
+    kernels' rounding noise is its top 24 bits (:func:`uniforms`), a rotation's signs its
+    top bit."""
     high = ops.bitand(ops.rshift(index, 32) + (key >> 32), _MASK32)
     seed = ops.bitxor(_mix32(ops, high), key & _MASK32)
-    return ops.rshift(_mix32(ops, ops.bitand(ops.bitand(index, _MASK32) + seed, _MASK32)), 31)
+    return _mix32(ops, ops.bitand(ops.bitand(index, _MASK32) + seed, _MASK32))
+
+
+def uniforms(ops: TensorOps, key: int, index: Any, like: Any) -> Any:
+    """The rounding noise of elements ``index`` of a piece keyed by ``key``, in ``like``'s
+    dtype: ``kernels.noise`` bit for bit (multiples of 2**-24, exact in float32), so a
+    framework's tensor ops round exactly as the fused kernels do."""
+    return ops.cast_like(ops.rshift(hash32(ops, index, key), 8), like) * 2.0**-24
 
 
 def _mix32(ops: TensorOps, z: Any) -> Any:

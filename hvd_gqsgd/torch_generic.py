@@ -77,34 +77,12 @@ def chunks(counts: Sequence[int], bits: int) -> list[core.Chunk]:
     return core.chunk_plan(counts, bits, max(1, CHUNK // k) * 8)
 
 
-_MASK = 0xFFFFFFFF
-_UNIT = 2.0**-24
-
-
-def _mul32(z: torch.Tensor, c: int) -> torch.Tensor:
-    """``z * c mod 2**32`` for ``z < 2**32`` in int64, with no intermediate at 2**63 or
-    above (a signed overflow): ``c``'s two 16-bit halves multiply separately."""
-    low = z * (c & 0xFFFF)
-    high = ((z * (c >> 16)) & 0xFFFF) << 16
-    return (low + high) & _MASK
-
-
-def _mix32(z: torch.Tensor) -> torch.Tensor:
-    """The kernels' 32-bit hash (:func:`hvd_gqsgd.kernels.noise`) on int64 tensors holding
-    uint32 values."""
-    z = _mul32(z ^ (z >> 16), 0x7FEB352D)
-    z = _mul32(z ^ (z >> 15), 0x846CA68B)
-    return z ^ (z >> 16)
-
-
-def noise(key: int, start: int, count: int, like: torch.Tensor) -> torch.Tensor:
-    """The uniforms in [0, 1) that the kernels draw for elements ``start .. start + count``
-    of a piece keyed by ``key`` (:func:`hvd_gqsgd.kernels.noise`, bit for bit), in
-    ``like``'s dtype (multiples of 2**-24: exact in float32) on its device: so the torch-ops
-    path rounds exactly as the fused path does, whatever the chunks."""
-    i = torch.arange(start, start + count, dtype=torch.int64, device=like.device)
-    seed = (key & _MASK) ^ _mix32(((key >> 32) + (i >> 32)) & _MASK)
-    return (_mix32(((i & _MASK) + seed) & _MASK) >> 8).to(like.dtype) * _UNIT
+def noise(ops: Any, key: int, start: int, count: int, like: torch.Tensor) -> torch.Tensor:
+    """The uniforms that the kernels draw for elements ``start .. start + count`` of a piece
+    keyed by ``key`` (:func:`hvd_gqsgd.core.uniforms`), in ``like``'s dtype on its device:
+    the torch-ops path rounds exactly as the fused path does, whatever the chunks."""
+    index = torch.arange(start, start + count, dtype=torch.int64, device=like.device)
+    return core.uniforms(ops, key, index, like)
 
 
 def encode(ops: Any, flat: Any, mult: torch.Tensor, counts: Sequence[int],

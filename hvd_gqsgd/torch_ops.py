@@ -431,7 +431,7 @@ class TorchLocal(TorchOps):
         key = self._keys.next(rank)
 
         def uniform(start: int, count: int, like: Any) -> Any:
-            return generic.noise(key, start, count, like)
+            return generic.noise(self, key, start, count, like)
 
         return uniform
 

@@ -504,3 +504,20 @@ def test_the_overlap_thread_runs_serial_twins_only(overlap, monkeypatch):
     pool.submit(kernels._run, twins, kernels.PARALLEL_MIN).result()
     kernels._run(twins, kernels.PARALLEL_MIN)
     assert ran == ["serial", "threaded"]
+
+
+@pytest.mark.parametrize("start", [0, 17, 2**32 - 5])
+@pytest.mark.parametrize("key", [1, 2**63 + 12345, 987654321987])
+def test_torch_ops_noise_is_the_kernels_noise(key, start):
+    """The torch-ops path (CUDA) draws core.uniforms: kernels.noise bit for bit, in float64
+    and float32 (multiples of 2**-24), across a 2**32 boundary of the element index."""
+    import torch
+
+    from hvd_gqsgd.torch_generic import noise
+    from hvd_gqsgd.torch_ops import TorchOps
+
+    want = kernels.noise(key, start, 1000)
+    for dtype in (torch.float64, torch.float32):
+        got = noise(TorchOps(), key, start, 1000, torch.empty(0, dtype=dtype))
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(got.double().numpy(), want)
