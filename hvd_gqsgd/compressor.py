@@ -167,6 +167,16 @@ class GlobalQSGD:
             ``hierarchical``, on; 4 bits at any size from 2), flat elsewhere.  Two-stage
             sends one reduce-scatter and one allgather per bucket, no chunks: with it an
             explicit ``chunk_bytes > 0`` is refused (``ValueError``).
+        rotation: ``"hadamard"``: every full scale block is multiplied by a randomized
+            Walsh-Hadamard matrix before quantizing and by its inverse after the sum
+            (:mod:`hvd_gqsgd.core`, "Rotation"); the signs come from ``seed`` and a round
+            counter that every rank derives alike, so codes still add in the allreduce and
+            every rank ends bit-identical.  It spreads a block's few large entries over the
+            block, so the max scale wastes fewer levels on heavy-tailed gradients.  Costs
+            about one pass over the gradient each way on CPU.  ``None``: off.
+            ``"auto"`` (default): on at 4 bits and fewer, off above
+            (``core.AUTO_ROTATION_MAX_BITS``; see docs/LOW_BITS.md).  Needs ``scale_block``
+            a power of two (the default 1024).
 
     .. warning::
         * **Op.** Any ``op`` that sums works: ``Average`` (the default), ``Sum``, and
@@ -203,10 +213,11 @@ class GlobalQSGD:
                  process_set: Any = None, bucket_bytes: int | None = None,
                  chunk_bytes: int | None = core.DEFAULT_CHUNK_BYTES,
                  scale_block: int = core.DEFAULT_SCALE_BLOCK, hierarchical: bool = False,
-                 two_stage: bool | None = None) -> None:
+                 two_stage: bool | None = None, rotation: str | None = "auto") -> None:
         self.settings = core.Settings(bits=bits, norm=norm, seed=seed, bucket_bytes=bucket_bytes,
                                       chunk_bytes=chunk_bytes, scale_block=scale_block,
-                                      hierarchical=hierarchical, two_stage=two_stage)
+                                      hierarchical=hierarchical, two_stage=two_stage,
+                                      rotation=rotation)
         self.process_set = process_set
         self._uid = next(GlobalQSGD._instances)
         self._engines: dict[str, Engine] = {}  # framework name -> its engine
@@ -220,7 +231,8 @@ class GlobalQSGD:
         return (f"GlobalQSGD(bits={s.bits}, norm={s.norm!r}, seed={s.seed!r}, "
                 f"scale_block={s.scale_block}"
                 + (", hierarchical=True" if s.hierarchical else "")
-                + (f", two_stage={s.two_stage})" if s.two_stage is not None else ")"))
+                + (f", two_stage={s.two_stage}" if s.two_stage is not None else "")
+                + (f", rotation={s.rotation!r})" if s.rotation != "auto" else ")"))
 
     @instance_hook
     def compress(self, tensor: Any) -> tuple[Any, Any]:

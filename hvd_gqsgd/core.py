@@ -119,6 +119,7 @@ __all__ = [
     "multipliers",
     "step_sizes",
     "layout_fingerprint",
+    "round_fingerprint",
     "shard_plan",
     "MAX_LANE_BITS",
     "MAX_CODE",
@@ -579,6 +580,14 @@ def check_probe(reduced: Sequence[float], world_size: int) -> float:
             "integer-summed codes: use Compression.none or fp16 with those ops."
         )
     return total / world_size
+
+
+def round_fingerprint(fingerprint: float, count: int) -> float:
+    """``fingerprint`` (of :func:`layout_fingerprint`) combined with a round counter, still
+    float64-exact: what ranks compare when the round enters the computation (the rotation's
+    keys), so that ranks at different rounds fail the layout check."""
+    mixed = hashlib.blake2b(f"{count}".encode(), digest_size=8).digest()
+    return float((int(fingerprint) ^ int.from_bytes(mixed, "little")) >> 12)
 
 
 def layout_fingerprint(numels: Sequence[int], dtypes: Sequence[str]) -> float:

@@ -68,6 +68,9 @@ class GlobalQSGDState(Transport):
             all-gathered, so every rank keeps ``2**(bits-1) - 1`` levels at any group size;
             ``False``: flat; ``None`` (default): two-stage where flat would leave fewer than
             15 levels (8 bits: from 9 ranks on).  See :func:`global_qsgd_hook`.
+        rotation: ``"hadamard"``, ``None`` or ``"auto"`` (default: on at 4 bits and fewer),
+            as :class:`hvd_gqsgd.GlobalQSGD`'s: the bucket is rotated before its norms and
+            back after decoding, with signs from ``seed`` and the hook's call count.
 
     Checkpointing: the state pickles (``torch.save``) without its process group, like
     ``PowerSGDState``; a loaded state uses the default group (set ``process_group`` after
@@ -81,9 +84,10 @@ class GlobalQSGDState(Transport):
                  seed: int | None = None,
                  scale_block: int = core.DEFAULT_SCALE_BLOCK,
                  chunk_bytes: int | None = core.DEFAULT_CHUNK_BYTES,
-                 two_stage: bool | None = None) -> None:
+                 two_stage: bool | None = None, rotation: str | None = "auto") -> None:
         super().__init__(core.Settings(bits=bits, norm=norm, seed=seed, scale_block=scale_block,
-                                       chunk_bytes=chunk_bytes, two_stage=two_stage),
+                                       chunk_bytes=chunk_bytes, two_stage=two_stage,
+                                       rotation=rotation),
                          process_group)
         if process_group is not None or dist.is_initialized():  # fail here, not in backward
             size = self.group_size(process_group)
@@ -174,31 +178,45 @@ def global_qsgd_hook(state: GlobalQSGDState,
                            f"but its buffer {buffer.numel()}; DDP's bucket layout changed")
     # fp16/bf16 are quantized in fp32 (a copy); fp32/fp64 buffers are read in place
     flat = buffer if buffer.dtype in (torch.float32, torch.float64) else buffer.float()
-    norms, waited = torch_dist.exchange_scales(state, flat, counts, group)  # COLLECTIVE
+    rotation = state.rotation()
+    flat, norms, waited = torch_dist.exchange_scales(state, flat, counts, group,
+                                                     rotation)  # COLLECTIVE
     exchanged = time.perf_counter()
     local_s = exchanged - start - waited
     if two:
         return _two_stage_hook(state, bucket, buffer, flat, numels, counts, norms, size,
-                               (local_s, waited))
+                               (local_s, waited), rotation)
     decoded, launched = torch_dist.sum_chunks(state, flat, norms, counts, n_levels, size,
                                               group)  # COLLECTIVE
     state.begin(len(numels), bucket.is_last(), {
         "uncompressed": buffer.numel() * buffer.element_size(),
         "payload": core.wire_bytes(buffer.numel(), bits), "overhead": 8 * len(counts),
         "quantize_s": local_s + (launched - exchanged), "scale_wait_s": waited})
-    return torch.futures.collect_all(decoded).then(_finisher(state, buffer, flat, launched))
+    return torch.futures.collect_all(decoded).then(
+        _finisher(state, buffer, flat, counts, rotation, launched))
+
+
+def _into_buffer(state: GlobalQSGDState, buffer: torch.Tensor, flat: torch.Tensor,
+                 counts: list[int], rotation: tuple[int, int] | None) -> None:
+    """The decoded bucket, rotated back with ``rotation``, into DDP's buffer (from ``flat``,
+    its fp32 copy for fp16/bf16 or a rotated copy on the torch-ops path)."""
+    if rotation is not None:
+        flat = state._local.unrotate(flat, counts, *rotation)
+    if flat is not buffer:
+        buffer.copy_(flat)
 
 
 def _finisher(state: GlobalQSGDState, buffer: torch.Tensor, flat: torch.Tensor,
+              counts: list[int], rotation: tuple[int, int] | None,
               launched: float) -> Callable[[torch.futures.Future], torch.Tensor]:
-    """Once every chunk is decoded: the buffer (copied from ``flat`` for fp16/bf16), and the
-    step's figures.  An error in a chunk's decode surfaces here, from its future."""
+    """Once every chunk is decoded: the buffer (rotated back, copied from ``flat`` where it
+    is not the buffer), and the step's figures.  An error in a chunk's decode surfaces here,
+    from its future."""
 
     def finish(chunks: torch.futures.Future) -> torch.Tensor:
         start = time.perf_counter()
         timings = [chunk.wait() for chunk in chunks.value()]  # raises what a decode raised
-        if flat is not buffer:
-            buffer.copy_(flat)
+        _into_buffer(state, buffer, flat, counts, rotation)
         state.end({"codes_wait_s": max(t for t, _ in timings) - launched,
                    "quantize_s": sum(d for _, d in timings) + time.perf_counter() - start})
         return buffer
@@ -220,12 +238,14 @@ class _TwoStageBucket:
     steps: torch.Tensor  # s / L1 per segment
     shard: torch.futures.Future  # the reduce-scatter: this rank's summed words
     launched: float  # when the reduce-scatter was launched
+    counts: list[int]  # the bucket's scale segments
+    rotation: tuple[int, int] | None  # Settings.rotation's (block, key), undone at the end
 
 
 def _two_stage_hook(state: GlobalQSGDState, bucket: dist.GradBucket, buffer: torch.Tensor,
                     flat: torch.Tensor, numels: list[int], counts: list[int],
-                    norms: torch.Tensor, size: int, local_s: tuple[float, float]
-                    ) -> torch.futures.Future[torch.Tensor]:
+                    norms: torch.Tensor, size: int, local_s: tuple[float, float],
+                    rotation: tuple[int, int] | None) -> torch.futures.Future[torch.Tensor]:
     """Two-stage Global-QSGD for one bucket (:mod:`hvd_gqsgd.two_stage`): quantize in wide
     lanes and launch the reduce-scatter now (the transport's stage 1, the bucket as one row
     of ``plan.scatter_words`` words); the allgather is launched by the *next* hook, on the
@@ -243,7 +263,7 @@ def _two_stage_hook(state: GlobalQSGDState, bucket: dist.GradBucket, buffer: tor
     launched = time.perf_counter()
     mine = _TwoStageBucket(torch.futures.Future(), buffer, flat, plan, message_layout,
                            core.step_sizes(torch_dist.OPS, norms, plan.levels1), shard,
-                           launched)
+                           launched, counts, rotation)
     state.begin(len(numels), bucket.is_last(), {
         "uncompressed": buffer.numel() * buffer.element_size(), "payload": plan.wire_bytes(),
         "overhead": 8 * len(counts),
@@ -285,8 +305,7 @@ def _two_stage_finisher(state: GlobalQSGDState, pending: _TwoStageBucket,
             local = state._local
             decoded = local.messages(gathered, pending.layout, pending.steps)
             local.decode_into(decoded, pending.flat, 1.0 / pending.plan.world_size)
-            if pending.flat is not pending.buffer:
-                pending.buffer.copy_(pending.flat)
+            _into_buffer(state, pending.buffer, pending.flat, pending.counts, pending.rotation)
             state.end({"codes_wait_s": arrived - pending.launched,
                         "quantize_s": requantized + time.perf_counter() - arrived})
         except BaseException as e:  # handed to DDP, which raises it where it waits

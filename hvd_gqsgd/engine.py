@@ -113,8 +113,14 @@ class Backend(core.TensorOps, Protocol):
     # once per bucket, at its first decompress (with that tensor's probe): the whole bucket
     # decoded (flat, or two-stage's messages), every segment (counts: elements per scale
     # segment) times its step times the op's factor; then take per tensor, with its own probe
+    # rotation: (block, key) of Settings.rotation, whose inverse the decoded bucket gets
     def rescale_bucket(self, state: Any, steps: Any, counts: Sequence[int],
-                       likes: Sequence[Any], reduced_probe: Any, world_size: int) -> Any: ...
+                       likes: Sequence[Any], reduced_probe: Any, world_size: int,
+                       rotation: tuple[int, int] | None = None) -> Any: ...
+    # Settings.rotation: flat rotated into a new buffer (core.rotate) and the local norms of
+    # the result with ``extra`` appended, as local_norms gives them
+    def rotate_norms(self, flat: Any, counts: Sequence[int], block: int, key: int, norm: str,
+                     extra: Sequence[float]) -> tuple[Any, Any]: ...
     def take(self, rescaled: Any, offset: int, like: Any, reduced_probe: Any,
              world_size: int) -> Any: ...
     def stable_names(self) -> bool: ...  # True when names may repeat every round (eager)
@@ -222,6 +228,10 @@ class Bucket:
     total: int = 0
     name: str = ""  # prefix of the bucket's collectives' names
     fingerprint: float = 0.0  # core.layout_fingerprint of its tensors' sizes and dtypes
+    # Settings.rotation: (block, key) of the rotation its flat buffer went through, the
+    # inverse of which rescale_bucket applies; None without
+    rotation: tuple[int, int] | None = None
+    norms: Any = None  # local norms already taken with the rotation (Backend.rotate_norms)
     # two-stage (hvd_gqsgd.two_stage): the plan while the reduce-scatter is in flight, and the
     # gathered messages' layout, whose parts (not segments) carry the decode's steps
     plan: core.TwoStagePlan | None = None
@@ -287,6 +297,9 @@ class Engine:
         self._prefix = f"gqsgd.{uid}"  # same on every rank: compressors are built in order
         self._round = _Round()
         self._serial = 0  # names the next bucket's collectives
+        # Settings.rotation: rounds finished since the names last restarted after a failure,
+        # the round counter of the rotation's keys (core.rotation_key)
+        self._rotation_round = 0
         self._lock = threading.RLock()
         self._layouts: dict[tuple[tuple[int, ...], tuple[str, ...]], _Layout] = {}
 
@@ -369,7 +382,8 @@ class Engine:
                 if bucket.rescaled is None:
                     bucket.rescaled = b.rescale_bucket(
                         bucket.decoded, bucket.steps, bucket.counts,
-                        [e.tensor for e in bucket.entries], reduced_probe, bucket.world_size)
+                        [e.tensor for e in bucket.entries], reduced_probe, bucket.world_size,
+                        bucket.rotation)
                 out = b.take(bucket.rescaled, entry.offset, entry.tensor, reduced_probe,
                              bucket.world_size)
                 self._round.figures["quantize_s"] += time.perf_counter() - start
@@ -459,6 +473,7 @@ class Engine:
             e.bucket, e.index, e.stop, e.offset = bucket, first[i], first[i + 1], offsets[i]
         with r.timing("quantize_s"):
             flat = self.backend.round_flat([e.tensor for e in entries])
+            flat = self._rotate(bucket, flat, self._serial - 1)
         if tree is not None:
             hierarchical.reduce(self.backend, self.settings, tree, bucket, flat, name, pset, r,
                                 two)
@@ -522,15 +537,34 @@ class Engine:
             return True
         return True
 
+    def _rotate(self, bucket: Bucket, flat: Any, stream: int) -> Any:
+        """With ``Settings.rotation``: ``flat`` rotated (a new buffer; the local norms of the
+        rotated data are taken in the same pass and kept for :meth:`_start_scales`), the
+        bucket's key noted for the inverse, and the round counter folded into the layout
+        pair, so that ranks at different rounds (a rank Horovod elastic added between steps)
+        fail the layout check instead of summing codes of different rotations."""
+        block = core.rotation_block(self.settings)
+        if not block:
+            return flat
+        key = core.rotation_key(self.settings.seed, stream, self._rotation_round)
+        bucket.rotation = (block, key)
+        bucket.fingerprint = core.round_fingerprint(bucket.fingerprint, self._rotation_round)
+        flat, bucket.norms = self.backend.rotate_norms(
+            flat, bucket.counts, block, key, self.settings.norm,
+            [bucket.fingerprint, -bucket.fingerprint])
+        return flat
+
     def _start_scales(self, bucket: Bucket, flat: Any, name: str, pset: Any) -> Any:
         """COLLECTIVE: start one MAX allreduce of every segment's local norm plus the layout
         pair ``(h, -h)``; ranks that queued different layouts get ``max(h) != -max(-h)``
         (``Backend.check_layout``, when it is waited for)."""
         b = self.backend
-        tensors = [e.tensor for e in bucket.entries]
-        with self._round.timing("quantize_s"):
-            norms = b.local_norms(tensors, flat, bucket.counts, self.settings.norm,
-                                  [bucket.fingerprint, -bucket.fingerprint])
+        norms, bucket.norms = bucket.norms, None
+        if norms is None:
+            tensors = [e.tensor for e in bucket.entries]
+            with self._round.timing("quantize_s"):
+                norms = b.local_norms(tensors, flat, bucket.counts, self.settings.norm,
+                                      [bucket.fingerprint, -bucket.fingerprint])
         return b.allreduce_max_async(norms, name, pset)
 
     def _send_codes(self, bucket: Bucket, flat: Any, scales: Any, name: str, pset: Any) -> None:
@@ -597,6 +631,7 @@ class Engine:
         self.backend.end_round(False)
         if self.backend.stable_names():
             self._serial = 0
+        self._rotation_round = 0  # as on a rank that elastic adds
 
     def _drop_dead_round(self) -> None:
         """Abandon a round whose ctxs are all gone before every tensor was decompressed (see
@@ -619,6 +654,7 @@ class Engine:
         if r.outstanding == 0 and not r.queued:
             self.stats.add_round(r.figures, r.tensors)
             self._round = _Round()
+            self._rotation_round += 1
             self.backend.end_round(True)
             if self.backend.stable_names():
                 # Eager: restart names so Horovod's response cache sees the same ones each

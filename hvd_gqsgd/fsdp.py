@@ -92,12 +92,17 @@ class FSDPState(Transport):
             reproducible.  Either way ranks draw independent noise and torch's global RNG
             is neither read nor advanced.
         scale_block: elements of a row per global scale (0: one scale per row).
+        rotation: ``"hadamard"``, ``None`` or ``"auto"`` (default: on at 4 bits and fewer),
+            as :class:`hvd_gqsgd.GlobalQSGD`'s: every full block of the input is rotated
+            before its norms (in place: the input is FSDP's scratch buffer) and each rank
+            rotates its decoded shard back; signs from ``seed`` and the call count.
     """
 
     def __init__(self, bits: int = 8, norm: str = "max", seed: int | None = None,
-                 scale_block: int = core.DEFAULT_SCALE_BLOCK) -> None:
+                 scale_block: int = core.DEFAULT_SCALE_BLOCK,
+                 rotation: str | None = "auto") -> None:
         super().__init__(core.Settings(bits=bits, norm=norm, seed=seed, scale_block=scale_block,
-                                       two_stage=True))
+                                       two_stage=True, rotation=rotation))
 
 
 class GlobalQSGDReduceScatter:
@@ -133,7 +138,9 @@ class GlobalQSGDReduceScatter:
         flat = input_tensor.reshape(-1)
         flat = flat if flat.dtype in _FULL else flat.float()
         row, _ = state.segments([shard])
-        scales, waited = torch_dist.exchange_scales(state, flat, row * n, group)  # COLLECTIVE
+        rotation = state.rotation()
+        flat, scales, waited = torch_dist.exchange_scales(state, flat, row * n, group,
+                                                          rotation)  # COLLECTIVE
         lane_bits, levels1 = core.two_stage_bits(bits, n), core.two_stage_levels(bits, n)
         row_words, m = core.packed_words(shard, lane_bits), len(row)
         rows = [core.Chunk(r * shard, (r + 1) * shard, r * m, (r + 1) * m, tuple(row))
@@ -149,6 +156,8 @@ class GlobalQSGDReduceScatter:
         decoded = out if out.dtype in _FULL else torch.empty_like(out, dtype=torch.float32)
         state._local.unpack_scaled(summed, lane_bits, decoded, row,
                                    (steps / divisor).to(decoded.dtype))
+        if rotation is not None:  # this row's blocks start at input element rank * shard
+            decoded = state._local.unrotate(decoded, row, *rotation, start=rank * shard)
         if decoded is not out:
             out.copy_(decoded)
         state.stats.add_round({
@@ -178,14 +187,15 @@ class GlobalQSGDReduceScatter:
 
 def register(model: torch.nn.Module, bits: int = 8, *, norm: str = "max",
              seed: int | None = None, scale_block: int = core.DEFAULT_SCALE_BLOCK,
-             gradient_divide_factor: float | None = None) -> FSDPState:
+             gradient_divide_factor: float | None = None,
+             rotation: str | None = "auto") -> FSDPState:
     """Make every ``FSDPModule`` in ``model`` (``model`` itself included) reduce-scatter its
     gradients with Global-QSGD; returns the shared :class:`FSDPState`.  Call it after
     ``fully_shard`` and before the first backward.
 
     Args:
         model: a module to which ``fully_shard`` was applied (itself or its submodules).
-        bits, norm, seed, scale_block: see :class:`FSDPState`.
+        bits, norm, seed, scale_block, rotation: see :class:`FSDPState`.
         gradient_divide_factor: what the summed gradient is divided by; ``None`` keeps each
             module's own (``set_gradient_divide_factor``; by default the group size: the
             average, as FSDP reduces without the hook).
@@ -203,7 +213,8 @@ def register(model: torch.nn.Module, bits: int = 8, *, norm: str = "max",
     """
     from torch.distributed.fsdp import FSDPModule
 
-    state = FSDPState(bits=bits, norm=norm, seed=seed, scale_block=scale_block)
+    state = FSDPState(bits=bits, norm=norm, seed=seed, scale_block=scale_block,
+                      rotation=rotation)
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError(f"hvd_gqsgd.fsdp.register() found no FSDPModule in "

@@ -264,8 +264,8 @@ class TensorFlowBackend:
         return _host(lambda r: np.float64(core.check_probe(r, world_size)), [reduced],
                      tf.float64, [])
 
-    def local_norms(self, tensors: Sequence[Any], flat: Any, counts: Sequence[int], norm: str,
-                    extra: Sequence[float]) -> Any:
+    def local_norms(self, tensors: Sequence[Any] | None, flat: Any, counts: Sequence[int],
+                    norm: str, extra: Sequence[float]) -> Any:
         tail = np.asarray(extra, np.float64)
         if _fused(flat):
             sizes = np.asarray(counts)
@@ -275,7 +275,7 @@ class TensorFlowBackend:
 
             return _host(run, [flat], tf.float64, [len(counts) + len(extra)])
         # +inf for NaN/Inf, which wins the MAX on every rank (MAX may drop a NaN)
-        if len(counts) == len(tensors):  # one segment per tensor: reduce each tensor
+        if tensors is not None and len(counts) == len(tensors):  # a segment per tensor
             def one(t: Any) -> Any:
                 x = tf.cast(t, tf.float64)
                 value = tf.reduce_max(tf.abs(x)) if norm == "max" else tf.norm(x)
@@ -299,8 +299,8 @@ class TensorFlowBackend:
             if vec[-2] != -vec[-1]:
                 raise RuntimeError(
                     "GlobalQSGD: ranks compressed different tensors (sizes or dtypes differ at "
-                    "the same position). Every rank must call compress() on the same tensors in "
-                    "the same order."
+                    "the same position), or, with rotation, are at different rounds. Every "
+                    "rank must call compress() on the same tensors in the same order."
                 )
             return vec[:-2]
 
@@ -400,14 +400,46 @@ class TensorFlowBackend:
         return tf.reshape(tf.cast(part * scale, like.dtype), like.shape)
 
     def rescale_bucket(self, state: Any, steps: Any, counts: Sequence[int],
-                       likes: Sequence[Any], reduced_probe: Any, world_size: int) -> Any:
+                       likes: Sequence[Any], reduced_probe: Any, world_size: int,
+                       rotation: tuple[int, int] | None = None) -> Any:
         compute = tf.float64 if any(t.dtype == tf.float64 for t in likes) else tf.float32
         if isinstance(state, _TwoStage):
-            return state.rescale(compute, reduced_probe, world_size)
-        if isinstance(state, _Words):
-            return state.rescale(steps, counts, compute, reduced_probe, world_size)
-        factor = self.probe_factor(reduced_probe, world_size)
-        return tf.cast(state, compute) * tf.repeat(tf.cast(steps * factor, compute), counts)
+            out = state.rescale(compute, reduced_probe, world_size)
+        elif isinstance(state, _Words):
+            out = state.rescale(steps, counts, compute, reduced_probe, world_size)
+        else:
+            factor = self.probe_factor(reduced_probe, world_size)
+            out = tf.cast(state, compute) * tf.repeat(tf.cast(steps * factor, compute), counts)
+        if rotation is None:
+            return out
+        block, key = rotation
+        if not _fused(out):
+            return core.rotate(self, out, counts, block, key, inverse=True)
+        sizes = list(counts)
+
+        def back(x: np.ndarray) -> np.ndarray:
+            x = x if x.flags.writeable else np.array(x)  # an eager tensor's view is read-only
+            kernels.unrotate(x, sizes, block, key)
+            return x
+
+        return _host(back, [out], compute, [_static_numel(out)])
+
+    def rotate_norms(self, flat: Any, counts: Sequence[int], block: int, key: int, norm: str,
+                     extra: Sequence[float]) -> tuple[Any, Any]:
+        """``flat`` rotated (:func:`hvd_gqsgd.core.rotate`; the kernels on CPU) and the local
+        norms of the result."""
+        if _fused(flat):
+            sizes = list(counts)
+
+            def run(x: np.ndarray) -> np.ndarray:
+                out = kernels.host_array(x.size, x.dtype)
+                kernels.rotate_norms(x, sizes, block, key, norm, out)
+                return out
+
+            rotated = _host(run, [flat], flat.dtype, [_static_numel(flat)])
+        else:
+            rotated = core.rotate(self, flat, counts, block, key)
+        return rotated, self.local_norms(None, rotated, counts, norm, extra)
 
     def take(self, rescaled: Any, offset: int, like: Any, reduced_probe: Any,
              world_size: int) -> Any:

@@ -91,6 +91,9 @@ class Transport:
         # noise: piece k of this rank is keyed core.noise_key(base, serial); base comes from
         # (seed, rank) at the first piece, the serial survives checkpoints
         self._key_serial = 0
+        # Settings.rotation: pieces rotated so far, the counter of the shared sign keys
+        # (every rank calls in the same order, so every rank counts alike; checkpointed)
+        self._rotation_serial = 0
         self._reset_transient()
 
     def _reset_transient(self) -> None:
@@ -113,6 +116,7 @@ class Transport:
         """What a checkpoint needs to continue this state: the settings (checked on load),
         the noise serial and the figures."""
         return {"settings": dataclasses.asdict(self.settings), "key_serial": self._key_serial,
+                "rotation_serial": self._rotation_serial,
                 "stats": dataclasses.asdict(self.stats)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -123,6 +127,7 @@ class Transport:
             raise ValueError(f"the checkpoint's settings {state_dict['settings']} differ from "
                              f"this state's {mine}")
         self._key_serial = int(state_dict["key_serial"])
+        self._rotation_serial = int(state_dict["rotation_serial"])
         self.stats = Stats(**state_dict["stats"])
 
     def group_size(self, group: Any) -> int:
@@ -140,6 +145,15 @@ class Transport:
             self._key_base = core.rank_seed(self.settings.seed, dist.get_rank())
         self._key_serial += 1
         return core.noise_key(self._key_base, self._key_serial)
+
+    def rotation(self) -> tuple[int, int] | None:
+        """``(block, key)`` of the next piece's rotation (``Settings.rotation``), the same on
+        every rank; None when the settings rotate nothing."""
+        block = core.rotation_block(self.settings)
+        if not block:
+            return None
+        self._rotation_serial += 1
+        return block, core.rotation_key(self.settings.seed, 0, self._rotation_serial)
 
     def segments(self, numels: Sequence[int]) -> tuple[list[int], list[int]]:
         """``core.segments`` of these tensor sizes at the settings' scale block, cached: a
@@ -179,14 +193,22 @@ class Transport:
 
 
 def exchange_scales(state: Transport, flat: torch.Tensor, counts: Sequence[int],
-                    group: Any) -> tuple[torch.Tensor, float]:
+                    group: Any, rotation: tuple[int, int] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Steps 1-2, COLLECTIVE (blocking float64 MAX ``all_reduce``): the global scale of every
     segment of ``flat`` (``counts``: elements per segment), ``inf`` where any rank's segment
-    holds NaN/Inf; and the seconds spent waiting for the exchange."""
-    norms = state._local.local_norms(None, flat, counts, state.settings.norm, [])
+    holds NaN/Inf.  With ``rotation`` (``Transport.rotation``), ``flat`` (a buffer the hook
+    owns: DDP's bucket, FSDP's input, or their fp32 copy) is rotated first, in place on CPU,
+    and the norms are the rotated blocks'.  Returns the buffer to quantize, the scales and
+    the seconds spent waiting for the exchange."""
+    local, norm = state._local, state.settings.norm
+    if rotation is None:
+        norms = local.local_norms(None, flat, counts, norm, [])
+    else:
+        flat, norms = local.rotate_norms(flat, counts, *rotation, norm, [], in_place=True)
     start = time.perf_counter()
     dist.all_reduce(norms, op=dist.ReduceOp.MAX, group=group)
-    return norms, time.perf_counter() - start
+    return flat, norms, time.perf_counter() - start
 
 
 def sum_chunks(state: Transport, flat: torch.Tensor, scales: torch.Tensor,

@@ -258,26 +258,33 @@ class TorchLocal(TorchOps):
 
     def local_norms(self, tensors: Sequence[Any] | None, flat: Any, counts: Sequence[int],
                     norm: str, extra: Sequence[float]) -> Any:
-        key = (tuple(extra), flat.device)
-        tail = self._tails.get(key)
-        if tail is None:  # made once per layout: a host copy per call would wait for CUDA
-            if len(self._tails) >= _FLAT_LAYOUTS:
-                self._tails.clear()
-            tail = self._tails[key] = torch.tensor(extra, dtype=torch.float64,
-                                                   device=flat.device)
+        tail = self._tail(extra, flat.device)
         if self._fused(flat):
             vec = torch.from_numpy(kernels.segment_norms(flat.numpy(), np.asarray(counts), norm))
             return torch.cat([vec, tail])
         table = self._tables.table(counts, flat.device)
         return torch.cat([generic.segment_norms(flat, counts, table, norm), tail])
 
+    def _tail(self, extra: Sequence[float], device: torch.device) -> torch.Tensor:
+        """``extra`` as a float64 tensor on ``device``, made once per value: a host copy per
+        call would wait for the CUDA stream."""
+        key = (tuple(extra), device)
+        tail = self._tails.get(key)
+        if tail is None:
+            if len(self._tails) >= _FLAT_LAYOUTS:
+                self._tails.clear()
+            tail = self._tails[key] = torch.tensor(extra, dtype=torch.float64, device=device)
+        return tail
+
     def check_layout(self, reduced: Any) -> Any:
         high, neg_low = reduced[-2:].tolist()
         if high != -neg_low:
             raise RuntimeError(
                 "GlobalQSGD: ranks compressed different tensors (sizes or dtypes differ at the "
-                "same position). Every rank must call compress() on the same tensors in the same "
-                "order, e.g. the same model with the same parameters requiring gradients."
+                "same position), or, with rotation, are at different rounds (a rank that "
+                "Horovod elastic added between steps). Every rank must call compress() on the "
+                "same tensors in the same order, e.g. the same model with the same parameters "
+                "requiring gradients."
             )
         return reduced[:-2]
 
@@ -373,30 +380,63 @@ class TorchLocal(TorchOps):
         return out.to(like.dtype).view(like.shape)
 
     def rescale_bucket(self, state: Any, steps: Any, counts: Sequence[int],
-                       likes: Sequence[Any], reduced_probe: Any, world_size: int) -> Rescaled:
+                       likes: Sequence[Any], reduced_probe: Any, world_size: int,
+                       rotation: tuple[int, int] | None = None) -> Rescaled:
         """The whole bucket, flat, in one call: every segment's lane sums times its step
         times the factor of this (the bucket's first) probe, in float64 when one of the
-        bucket's tensors is float64, else float32."""
+        bucket's tensors is float64, else float32; with ``rotation`` rotated back."""
         factor = core.check_probe(reduced_probe.tolist(), world_size)  # a host copy per bucket
         wide = any(t.dtype == torch.float64 for t in likes)
         compute, host = (torch.float64, np.float64) if wide else (torch.float32, np.float32)
         total, device = sum(counts), likes[0].device
-        if isinstance(state, TwoStageSums):
-            out = (host_empty(total, host) if state.fused is not None
-                   else torch.empty(total, dtype=compute, device=device))
-            self.decode_into(state, out, factor)
-        elif isinstance(state, kernels.Summed):
+        if isinstance(state, kernels.Summed):  # the inverse rotation fused into the decode
             out = host_empty(total, host)
-            state.unpack_bucket(out.numpy(), counts, (steps * factor).numpy())
+            state.unpack_bucket(out.numpy(), counts, (steps * factor).numpy(),
+                                rotation=rotation)
         else:
-            out = torch.empty(total, dtype=compute, device=device)
-            generic.unpack_scaled(self, state.words, state.bits, out, counts,
-                                  self._tables.table(counts, device), (steps * factor).to(compute))
+            if isinstance(state, TwoStageSums):
+                out = (host_empty(total, host) if state.fused is not None
+                       else torch.empty(total, dtype=compute, device=device))
+                self.decode_into(state, out, factor)
+            else:
+                out = torch.empty(total, dtype=compute, device=device)
+                generic.unpack_scaled(self, state.words, state.bits, out, counts,
+                                      self._tables.table(counts, device),
+                                      (steps * factor).to(compute))
+            if rotation is not None:
+                out = self.unrotate(out, counts, *rotation)
         # every tensor's view in its shape, made here for the whole bucket
         numels = [t.numel() for t in likes]
         views = [v.view_as(t) for v, t in zip(out.split(numels), likes)]
         return Rescaled(dict(zip(itertools.accumulate(numels, initial=0), views)), factor,
                         reduced_probe, [])
+
+    def rotate_norms(self, flat: Any, counts: Sequence[int], block: int, key: int, norm: str,
+                     extra: Sequence[float], in_place: bool = False) -> tuple[Any, Any]:
+        """``flat`` rotated (:func:`hvd_gqsgd.core.rotate`) into a new buffer, or into
+        ``flat`` itself with ``in_place`` (only for a buffer of the caller's own), and the
+        local norms of the result as :meth:`local_norms` gives them; one fused pass on
+        CPU."""
+        if self._fused(flat):
+            out = flat if in_place else host_empty(flat.numel(), flat.numpy().dtype)
+            vec = kernels.rotate_norms(flat.numpy(), counts, block, key, norm,
+                                       out.numpy())
+            return out, torch.cat([torch.from_numpy(vec), self._tail(extra, flat.device)])
+        rotated = core.rotate(self, flat, counts, block, key)
+        if in_place:
+            flat.copy_(rotated)
+            rotated = flat
+        return rotated, self.local_norms(None, rotated, counts, norm, extra)
+
+    def unrotate(self, x: Any, counts: Sequence[int], block: int, key: int,
+                 start: int = 0) -> Any:
+        """The inverse rotation of the decoded (flat, float32/64) ``x``, which is ours:
+        in place on CPU, a new tensor on the torch-ops path.  ``start``: the bucket element
+        of ``x[0]``."""
+        if self._fused(x):
+            kernels.unrotate(x.numpy(), counts, block, key, start)
+            return x
+        return core.rotate(self, x, counts, block, key, start, inverse=True)
 
     def take(self, rescaled: Rescaled, offset: int, like: Any, reduced_probe: Any,
              world_size: int) -> Any:

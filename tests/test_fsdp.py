@@ -41,18 +41,18 @@ pytestmark = pytest.mark.multiproc
 ROOT = Path(__file__).parent.parent
 WORKER = ROOT / "tests" / "workers" / "fsdp_checks.py"
 TIMEOUT_S = int(os.environ.get("GQSGD_TEST_LAUNCH_TIMEOUT", "600"))
-ALL = ("grid", "recorded", "unbiased", "error", "non_finite", "through_fsdp", "training",
-       "checkpoint", "refusals")
+ALL = ("grid", "recorded", "rotation", "unbiased", "error", "non_finite", "through_fsdp",
+       "training", "checkpoint", "refusals")
 # name -> (ranks, extra env, checks run)
 CONFIGS = {
     "np2": (2, {}, ALL),
     "np3": (3, {}, ALL),
     "np4": (4, {}, ALL),
-    "np8": (8, {}, ("grid", "recorded", "error", "through_fsdp")),
+    "np8": (8, {}, ("grid", "recorded", "rotation", "error", "through_fsdp")),
     # the torch-ops path of CUDA tensors, run on CPU tensors
     "generic-np2": (2, {"HVD_GQSGD_KERNELS": "0"},
-                    ("grid", "recorded", "unbiased", "error", "non_finite", "through_fsdp",
-                     "checkpoint")),
+                    ("grid", "recorded", "rotation", "unbiased", "error", "non_finite",
+                     "through_fsdp", "checkpoint")),
 }
 _JOBS: dict[str, list[dict]] = {}
 
@@ -141,6 +141,30 @@ def test_random_rows_replay_the_oracle_bit_for_bit(name, tmp_path_factory):
         for t, rank in enumerate(ranks):
             assert rank["recorded"][i][0] == serial  # every rank at the same serial
             np.testing.assert_array_equal(rank["recorded"][i][2], want[t], err_msg=str(i))
+
+
+@pytest.mark.parametrize("name", _configs("rotation"))
+def test_rotated_rows_replay_the_oracle_bit_for_bit(name, tmp_path_factory):
+    """rotation="hadamard": every rank rotates its whole input (blocks of 1024 in each row,
+    signs keyed by the call count), the oracle sums the rotated rows, and each rank rotates
+    its decoded row back (its blocks start at input element rank * shard): bit for bit."""
+    from rotation_oracle import forward, inverse
+
+    from hvd_gqsgd import core
+
+    ranks = _ranks(name, tmp_path_factory)
+    n = len(ranks)
+    steps = {0: 0, 1: 1, 2: 1, 3: 2}  # the input of each call (the second state ran twice)
+    for i, (bits, serial, rotated, _) in enumerate(ranks[0]["rotation"]):
+        row, _ = core.segments([2500], BLOCK)
+        key = core.rotation_key(5, 0, rotated + 1)
+        xs = [forward(random_rows(r, n, 20 + steps[i], 2500).reshape(-1), row * n, BLOCK, key)
+              for r in range(n)]
+        want = stage_one_rows(xs, bits, _keys(5, n, serial), n, BLOCK)
+        for t, rank in enumerate(ranks):
+            assert rank["rotation"][i][1:3] == (serial, rotated)
+            back = inverse(want[t].astype(np.float32), row, BLOCK, key, start=t * 2500)
+            np.testing.assert_array_equal(rank["rotation"][i][3], back, err_msg=str(i))
 
 
 @pytest.mark.parametrize("name", _configs("unbiased"))

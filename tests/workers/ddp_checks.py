@@ -32,10 +32,11 @@ from ddp_inputs import (  # noqa: E402
 from hvd_gqsgd.ddp import GlobalQSGDState as _GlobalQSGDState  # noqa: E402
 from hvd_gqsgd.ddp import global_qsgd_hook  # noqa: E402
 
-# These scenarios test the flat hook, whose levels the test's simulation assumes at every
-# bits; the default (two_stage=None) would pick two-stage below 15 levels
+# These scenarios test the flat hook without a rotation, whose levels the test's simulation
+# assumes at every bits; the defaults rotate at 4 bits (the rotation scenario covers that)
+# and (two_stage=None) would pick two-stage below 15 levels
 # (tests/workers/ddp_checks.py's two_stage scenario and test_ddp.py cover that).
-GlobalQSGDState = functools.partial(_GlobalQSGDState, two_stage=False)
+GlobalQSGDState = functools.partial(_GlobalQSGDState, two_stage=False, rotation=None)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}
@@ -262,7 +263,7 @@ def two_stage(rank, n):
     too (quantized in fp32, returned in fp16)."""
     out = {}
     for bits, dtype in ((8, torch.float32), (4, torch.float32), (8, torch.float16)):
-        state = _GlobalQSGDState(bits=bits, two_stage=True, seed=7)
+        state = _GlobalQSGDState(bits=bits, two_stage=True, seed=7, rotation=None)
         calls = []
 
         def hook(st, bucket, calls=calls):

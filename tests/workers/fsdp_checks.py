@@ -8,6 +8,7 @@ here; tests/test_fsdp.py replays everything with tests/two_stage_oracle.py.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import sys
@@ -30,6 +31,10 @@ from fsdp_inputs import (  # noqa: E402
 )
 
 import hvd_gqsgd.fsdp as gq  # noqa: E402
+
+# The scenarios below check the hook without a rotation (the default rotates at 4 bits);
+# `rotation` checks it with one
+FSDPState = functools.partial(gq.FSDPState, rotation=None)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,7 +68,7 @@ def grid(rank, n):
     """Grid rows (deterministic rounding) per (bits, dtype, shard size): one direct call."""
     out = {}
     for bits, dtype, shard in GRID_CASES:
-        state = gq.FSDPState(bits=bits, seed=1)
+        state = FSDPState(bits=bits, seed=1)
         out[(bits, dtype, shard)] = (_call(_comm(state), grid_rows(rank, n, bits, shard),
                                            DTYPES[dtype]), state.stats.as_dict())
     return out
@@ -71,24 +76,37 @@ def grid(rank, n):
 
 def recorded(rank, n):
     """Random rows through direct calls (seed 5): serial before each call, the output."""
-    state = gq.FSDPState(bits=8, seed=5)
+    state = FSDPState(bits=8, seed=5)
     comm = _comm(state)
     calls = []
     for step, shard in enumerate((3000, 1, 4097)):
         serial = state._key_serial
         calls.append((serial, shard, _call(comm, random_rows(rank, n, step, shard),
                                            torch.float32)))
-    l2 = gq.FSDPState(bits=8, seed=5, norm="l2")
+    l2 = FSDPState(bits=8, seed=5, norm="l2")
     calls.append((0, 2500, _call(_comm(l2), random_rows(rank, n, 7, 2500), torch.float32)))
-    half = gq.FSDPState(bits=4, seed=5)
+    half = FSDPState(bits=4, seed=5)
     calls.append((0, 2500, _call(_comm(half, divisor=2.5), random_rows(rank, n, 8, 2500),
                                  torch.float32)))
     return calls
 
 
+def rotation(rank, n):
+    """Rows of 2 full blocks and a partial one (shard 2500), 4 and 8 bits with the rotation
+    (seed 5): serials before each call, and the output."""
+    calls = []
+    for step, bits in enumerate((4, 8, 4)):
+        state = gq.FSDPState(bits=bits, seed=5, rotation="hadamard")
+        comm = _comm(state)
+        for _ in range(step % 2 + 1):  # the second state runs twice: its counter moves
+            calls.append((bits, state._key_serial, state._rotation_serial,
+                          _call(comm, random_rows(rank, n, 20 + step, 2500), torch.float32)))
+    return calls
+
+
 def unbiased(rank, n, trials=300):
     """One fixed row set, fresh noise each call (4 bits): the mean over calls."""
-    comm = _comm(gq.FSDPState(bits=4))
+    comm = _comm(FSDPState(bits=4))
     rows = random_rows(rank, n, 0, 1500)
     return {"mean": sum(_call(comm, rows, torch.float32) for _ in range(trials)) / trials,
             "trials": trials}
@@ -96,7 +114,7 @@ def unbiased(rank, n, trials=300):
 
 def error(rank, n, trials=20):
     """Heavy-tailed rows (8 bits), fresh noise: each call's output, to measure the error."""
-    comm = _comm(gq.FSDPState(bits=8))
+    comm = _comm(FSDPState(bits=8))
     rows = random_rows(rank, n, 1, 8192, heavy=True)
     return [_call(comm, rows, torch.float32) for _ in range(trials)]
 
@@ -107,7 +125,7 @@ def non_finite(rank, n):
     if rank == n - 1:
         rows = rows.copy()
         rows[0, 5], rows[0, 2000] = np.nan, np.inf
-    return _call(_comm(gq.FSDPState(bits=8, seed=1)), rows, torch.float32)
+    return _call(_comm(FSDPState(bits=8, seed=1)), rows, torch.float32)
 
 
 def _shard_model(model, mesh, reduce_dtype=torch.float32, param_dtype=torch.float32,
@@ -248,8 +266,8 @@ def refusals(rank, n, mesh):
     return out
 
 
-CHECKS = {"grid": grid, "recorded": recorded, "unbiased": unbiased, "error": error,
-          "non_finite": non_finite}
+CHECKS = {"grid": grid, "recorded": recorded, "rotation": rotation, "unbiased": unbiased,
+          "error": error, "non_finite": non_finite}
 MESH_CHECKS = {"through_fsdp": through_fsdp, "training": training, "checkpoint": checkpoint,
                "refusals": refusals}
 

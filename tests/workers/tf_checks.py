@@ -27,9 +27,10 @@ from hvd_gqsgd import QSGDAllgather, core
 from hvd_gqsgd.tensorflow import TensorFlowBackend, tape_sources  # noqa: E402
 
 # These scenarios test flat Global-QSGD, whose levels the test's simulation assumes at every
-# bits; the default (two_stage=None) would pick two-stage below 15 levels
-# (tests/workers/two_stage_checks.py covers that).
-GlobalQSGD = functools.partial(_GlobalQSGD, two_stage=False)
+# bits, without a rotation; the defaults would pick two-stage below 15 levels
+# (tests/workers/two_stage_checks.py covers that) and rotate at 4 bits
+# (tests/workers/rotation_checks.py covers that).
+GlobalQSGD = functools.partial(_GlobalQSGD, two_stage=False, rotation=None)
 
 OPS = {"sum": hvd.Sum, "average": hvd.Average}
 

@@ -6,6 +6,7 @@ tests/two_stage_oracle.py.  Inputs come from tests/inputs.py.  No checking happe
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import sys
@@ -16,7 +17,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 from inputs import TWO_STAGE_NUMELS, TWO_STAGE_SEED, two_stage_input  # noqa: E402
 
-from hvd_gqsgd import GlobalQSGD, core  # noqa: E402
+from hvd_gqsgd import GlobalQSGD as _GlobalQSGD  # noqa: E402
+from hvd_gqsgd import core  # noqa: E402
+
+# Two-stage as the oracle simulates it: no rotation (the default rotates at 4 bits;
+# tests/workers/rotation_checks.py covers two-stage with it)
+GlobalQSGD = functools.partial(_GlobalQSGD, rotation=None)
 
 FRAMEWORK = sys.argv[2]
 if FRAMEWORK == "torch":
