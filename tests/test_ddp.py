@@ -41,8 +41,8 @@ pytestmark = pytest.mark.multiproc
 ROOT = Path(__file__).parent.parent
 WORKER = ROOT / "tests" / "workers" / "ddp_checks.py"
 TIMEOUT_S = int(os.environ.get("GQSGD_TEST_LAUNCH_TIMEOUT", "600"))
-ALL = ("exact", "recorded", "unbiased", "independent", "options", "subgroup", "bad_bits",
-       "non_finite", "checkpoint", "join", "training", "two_stage")
+ALL = ("exact", "recorded", "rotation", "unbiased", "independent", "options", "subgroup",
+       "bad_bits", "non_finite", "checkpoint", "join", "training", "two_stage")
 # name -> (controller, ranks, extra env, checks run)
 CONFIGS = {
     "local-np2": ("local", 2, {}, ALL),
@@ -444,3 +444,83 @@ def test_two_stage_hook_replays_the_oracle(name, tmp_path_factory):
                 np.testing.assert_array_equal(got, _cast(want, dtype), err_msg=str(case))
         stats = first_rank["stats"]
         assert stats["rounds"] == len(ends) and stats["last_payload"] > 0
+
+
+# --------------------------------------------------------------------------- rotation
+
+
+def _flat_rotated(xs: list[np.ndarray], numels: list[int], serial: int, key: int
+                  ) -> np.ndarray:
+    """Flat 4-bit Global-QSGD of one bucket with the rotation, as the DDP hook computes it:
+    every rank's bucket rotated (tests/rotation_oracle.py), block scales of the rotated
+    data, the kernels' noise of key ``serial``, the average (lane sum times float32(s/L/n)),
+    rotated back."""
+    from rotation_oracle import forward, inverse
+
+    n = len(xs)
+    counts, _ = core.segments(numels, BLOCK)
+    ys = [forward(x, counts, BLOCK, key) for x in xs]
+    seg = np.repeat(np.arange(len(counts)), counts)
+    scale = np.zeros(len(counts))
+    for y in ys:
+        np.maximum.at(scale, seg, np.abs(y.astype(np.float64)))
+    level = _levels(4, n)
+    mult = np.where(scale > 0, level / np.where(scale > 0, scale, 1.0), 0).astype(np.float32)
+    sums = np.zeros(ys[0].size, dtype=np.int64)
+    for r, y in enumerate(ys):
+        v = np.clip(y * mult[seg], -level, level)
+        low = np.floor(v)
+        u = _uniforms(core.noise_key(core.rank_seed(5, r), serial), y.size)
+        sums += (low + (u < (v - low).astype(np.float64))).astype(np.int64)
+    step = (scale / level / n).astype(np.float32)
+    return inverse((sums * step[seg].astype(np.float64)).astype(np.float32), counts, BLOCK, key)
+
+
+def _two_stage_rotated(xs, numels, first: int, second: int, key: int) -> np.ndarray:
+    """Two-stage 4-bit Global-QSGD of one bucket with the rotation (tests/two_stage_oracle.py
+    on the rotated buckets, the average, rotated back)."""
+    from rotation_oracle import forward, inverse
+    from two_stage_oracle import across, segment_ids
+
+    n = len(xs)
+    counts, _ = core.segments(numels, BLOCK)
+    ys = [forward(x, counts, BLOCK, key) for x in xs]
+    seg = segment_ids(numels, BLOCK)
+    scale = np.zeros(seg.max() + 1)
+    for y in ys:
+        np.maximum.at(scale, seg, np.abs(y.astype(np.float64)))
+    keys = [(core.noise_key(core.rank_seed(5, r), first),
+             core.noise_key(core.rank_seed(5, r), second)) for r in range(n)]
+    out = across(ys, seg, scale, 4, keys, 1.0 / n).out.astype(np.float32)
+    return inverse(out, counts, BLOCK, key)
+
+
+@pytest.mark.parametrize("name", _configs("rotation"))
+def test_rotation_replays_the_oracle(name, tmp_path_factory):
+    """rotation="hadamard" at 4 bits, flat and two-stage, DDP's buckets over 2 steps: each
+    bucket's average equals the oracle's bit for bit (rotation keyed by the seed and the
+    hook's call count), on every rank."""
+    ranks = _ranks(name, tmp_path_factory)
+    n = len(ranks)
+    for two, run in ranks[0]["rotation"].items():
+        buckets = list(run["buckets"])
+        for step in range(2):
+            got = _all_equal([r["rotation"][two]["grads"][step] for r in ranks])
+            xs = [[x.reshape(-1) for x in random_inputs(r, step)] for r in range(n)]
+            taken = 0
+            while sorted(i for *_, ps in buckets[:taken] for i in ps) != list(
+                    range(len(SHAPES))):
+                taken += 1
+                assert taken <= len(buckets)
+            mine = buckets[:taken]
+            seconds = _two_stage_serials(len(mine), mine[0][0] - 1)[1]
+            for k, (serial, rotated, params) in enumerate(mine):
+                numels = [xs[0][i].size for i in params]
+                flats = [np.concatenate([x[i] for i in params]) for x in xs]
+                key = core.rotation_key(5, 0, rotated)
+                want = (_two_stage_rotated(flats, numels, serial, seconds[k], key) if two
+                        else _flat_rotated(flats, numels, serial, key))
+                for i, part in zip(params, np.split(want, np.cumsum(numels)[:-1])):
+                    np.testing.assert_array_equal(got[i].reshape(-1), part,
+                                                  err_msg=f"two={two} step {step}")
+            buckets = buckets[taken:]

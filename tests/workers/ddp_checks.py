@@ -29,6 +29,7 @@ from ddp_inputs import (  # noqa: E402
     random_inputs,
 )
 
+from hvd_gqsgd import core  # noqa: E402
 from hvd_gqsgd.ddp import GlobalQSGDState as _GlobalQSGDState  # noqa: E402
 from hvd_gqsgd.ddp import global_qsgd_hook  # noqa: E402
 
@@ -107,6 +108,30 @@ def recorded(rank, n, **kw):
                    torch.float32)
     return {**_recorded_run(GlobalQSGDState(bits=8, seed=5)), "l2": l2,
             "chunked": _recorded_run(GlobalQSGDState(bits=8, seed=5, chunk_bytes=CHUNK_BYTES))}
+
+
+def rotation(rank, n):
+    """rotation="hadamard" at 4 bits, flat (levels permitting) and two-stage, 2 steps of
+    random inputs over DDP's small buckets: each bucket's (noise serial, rotation serial,
+    params) and the gradients."""
+    out = {}
+    for two in (False, True):
+        if not two and not core.flat_levels(4, n):
+            continue
+        state = _GlobalQSGDState(bits=4, seed=5, two_stage=two, rotation="hadamard")
+        model = DDP(Params(SHAPES, torch.float32), bucket_cap_mb=0.01)
+        index = {id(p): i for i, p in enumerate(model.module.ps)}
+        buckets = []
+
+        def hook(st, bucket, buckets=buckets, index=index):
+            buckets.append((st._key_serial + 1, st._rotation_serial + 1,
+                            [index[id(p)] for p in bucket.parameters()]))
+            return global_qsgd_hook(st, bucket)
+
+        model.register_comm_hook(state, hook)
+        grads = [_backward(model, random_inputs(rank, step), torch.float32) for step in range(2)]
+        out[two] = {"grads": grads, "buckets": buckets}
+    return out
 
 
 def unbiased(rank, n, trials=200):
@@ -291,7 +316,7 @@ def two_stage(rank, n):
     return out
 
 
-CHECKS = [exact, recorded, unbiased, independent, options, subgroup, bad_bits, non_finite,
+CHECKS = [exact, recorded, rotation, unbiased, independent, options, subgroup, bad_bits, non_finite,
           checkpoint, join, training, two_stage]
 
 

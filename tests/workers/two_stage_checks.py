@@ -256,8 +256,41 @@ def qprsgd(rank: int, n: int) -> dict | None:
             "synced": [p.detach().double().numpy().copy() for p in model.parameters()]}
 
 
-SCENARIOS = [lane_extremes, oracle, generic, unbiased, flat_and_two, default_choice,
-             process_set, optimizer, keras_fit, qprsgd]
+def rotation(rank: int, n: int) -> dict:
+    """rotation="hadamard", flat (where ``bits`` leaves flat levels) and two-stage, 4 and 8
+    bits, one compressor per case for two rounds (the round counter enters the key), eagerly
+    and in tf.function: the results, for the oracle to replay."""
+    out = {}
+    x = _split(two_stage_input(rank, n))
+    for bits in (4, 8):
+        for two in (False, True):
+            if not two and not core.flat_levels(bits, n):
+                continue
+            for graph in ((False, True) if FRAMEWORK == "tf" else (False,)):
+                c = _GlobalQSGD(bits=bits, two_stage=two, seed=TWO_STAGE_SEED,
+                                rotation="hadamard")
+                out[(bits, two, graph)] = [_reduce(c, x, hvd.Sum, graph=graph)
+                                           for _ in range(2)]
+    return out
+
+
+def heavy(rank: int, n: int) -> dict:
+    """A heavy-tailed gradient (Student's t, 2 degrees of freedom) reduced many times at 4
+    bits, flat (where 4 bits leave flat levels) and two-stage, with and without the
+    rotation: a fresh unseeded compressor per round, so fresh rounding noise and, rotated,
+    the signs of round 0: the error and the bias."""
+    x = [np.random.default_rng([rank, 23]).standard_t(2, 8192).astype(np.float32)]
+    return {(two, rot): [_reduce(_GlobalQSGD(bits=4, two_stage=two, rotation=rot), x, hvd.Sum)
+                         for _ in range(HEAVY_ROUNDS)]
+            for two in ((False, True) if core.flat_levels(4, n) else (True,))
+            for rot in (None, "hadamard")}
+
+
+HEAVY_ROUNDS = 40
+# process_set runs an unnamed collective on its members only, which shifts Horovod's
+# per-process names of later unnamed ones on them: the scenarios after it name theirs
+SCENARIOS = [lane_extremes, oracle, generic, unbiased, flat_and_two, default_choice, rotation,
+             heavy, process_set, optimizer, keras_fit, qprsgd]
 PROCESS_SETS: list = []
 
 
