@@ -405,7 +405,10 @@ class _GossipCodec:
 
     ``GlobalQSGD``: codes with one *local* scale per block (``L = core.levels(bits, 1)``), via
     :class:`hvd_gqsgd.torch.TorchBackend` (fused kernels on CPU, ``core.encode`` otherwise);
-    the message is the int64 words followed by the float64 scales' bits.  Another Horovod
+    the message is the int64 words followed by the float64 scales' bits.  With the
+    compressor's rotation the difference is rotated before its norms and every decoded
+    message rotated back, with signs keyed by the seed and the sync count, alike on every
+    rank.  Another Horovod
     compressor: its own ``compress``/``decompress`` (element-wise: none, fp16)."""
 
     def __init__(self, compression: Any, params: list[torch.Tensor]) -> None:
@@ -422,7 +425,10 @@ class _GossipCodec:
             self.level = core.levels(s.bits, 1)  # codes are decoded alone, never summed
             self.counts, self.first = core.segments(self.numels, s.scale_block)
             self.n_words = core.packed_words(sum(self.numels), s.bits)
+            self.rotation_block, self.seed = core.rotation_block(s), s.seed
         self._ctx: Any = None
+        self._syncs = 0  # encodes so far: every rank encodes once per gossip sync
+        self._key = 0  # this sync's rotation key
 
     def encode(self, diff: torch.Tensor, rank: int) -> torch.Tensor:
         """One rank's message for ``diff`` (flat)."""
@@ -430,7 +436,13 @@ class _GossipCodec:
             message, self._ctx = self.compression.compress(diff)
             return message
         b = self.backend
-        scales = b.local_norms([], diff, self.counts, self.norm, [])
+        if self.rotation_block:
+            self._key = core.rotation_key(self.seed, 1, self._syncs)
+            diff, scales = b.rotate_norms(diff, self.counts, self.rotation_block, self._key,
+                                          self.norm, [])
+        else:
+            scales = b.local_norms([], diff, self.counts, self.norm, [])
+        self._syncs += 1
         mult = core.multipliers(b, scales, self.level)
         words = b.encode(diff, mult, self.counts, self.level, self.bits, rank)
         return torch.cat([words, scales.view(torch.int64)])  # float64 bits, exact
@@ -451,7 +463,11 @@ class _GossipCodec:
             scale = steps[lo:hi] if self.block else steps[lo]
             parts.append(b.decode(state, offset, like, scale, self.block))
             offset += n
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if self.rotation_block:
+            flat = b.unrotate(flat, self.counts,
+                              self.rotation_block, self._key)
+        return flat
 
 
 def _exchange(message: torch.Tensor, rank: int, size: int, left: int, right: int, name: str,

@@ -200,6 +200,19 @@ def test_gossip_quantization_error_does_not_accumulate(ring):
     assert _spread(rounds[-1]) < 1e-3 * start / 127**2
 
 
+def test_gossip_with_rotation_keeps_the_mean_and_reaches_consensus(ring):
+    """GlobalQSGD(4, rotation="hadamard"): every rank rotates its message and rotates the
+    decoded ones back with the same signs (the seed and the sync count), so the mean stays
+    and the spread keeps shrinking far below one 4-bit round's error (~ start / 7**2)."""
+    rounds = [[r["consensus_rotated"]["rounds"][k] for r in ring] for k in range(26)]
+    start = _spread(rounds[0])
+    means = [np.mean([_flat(m) for m in models], axis=0) for models in rounds]
+    for m in means[1:]:
+        np.testing.assert_allclose(m, means[0], atol=2e-6)
+    assert start > 1e-3
+    assert _spread(rounds[-1]) < 1e-3 * start / 7**2
+
+
 # ------------------------------------------------------------------ convergence, checkpoints
 
 

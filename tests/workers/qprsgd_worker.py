@@ -105,11 +105,13 @@ def gq8_records(rank: int, topology: str, period: int, steps: int, momentum: flo
     return rec
 
 
-def consensus(rank: int) -> dict:
-    """Gossip, GlobalQSGD(8): drift apart for 8 local steps, then 25 syncs with no steps."""
+def consensus(rank: int, bits: int = 8, rotation: str | None = None) -> dict:
+    """Gossip, GlobalQSGD(bits): drift apart for 8 local steps, then 25 syncs with no
+    steps."""
     ps = params()
     opt = QPRSGD(torch.optim.SGD(ps, lr=LR0), ps, period=1000, topology="gossip",
-                 compression=GlobalQSGD(bits=8, seed=5, scale_block=data.SCALE_BLOCK))
+                 compression=GlobalQSGD(bits=bits, seed=5, scale_block=data.SCALE_BLOCK,
+                                        rotation=rotation))
     rounds = [snap(ps) for _ in train(opt, ps, rank, 8)][-1:]
     for _ in range(25):
         opt.synchronize()
@@ -205,6 +207,7 @@ def main() -> None:
         res.update({"exact_gossip": exact(rank, "gossip", 2),
                     "gq8_gossip": gq8_records(rank, "gossip", 4, 32, 0.0),
                     "consensus": consensus(rank),
+                    "consensus_rotated": consensus(rank, 4, "hadamard"),
                     "converge_gossip": converge(rank, "gossip"),
                     "round_trip_gossip": round_trip(rank, "gossip")})
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
