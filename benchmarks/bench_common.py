@@ -15,19 +15,24 @@ from typing import Any
 
 from hvd_gqsgd import GlobalQSGD, QSGDAllgather
 
-GQSGD_NAME = re.compile(r"gqsgd(\d+)(ts|flat)?(?:@(\d+)k)?(?:b(\d+)k)?")
+GQSGD_NAME = re.compile(r"gqsgd(\d+)(ts|flat)?(?:@(\d+)k)?(?:b(\d+)k)?(rot|norot)?")
+ROTATION = {"rot": "hadamard", "norot": None}
 TWO_STAGE = {"ts": True, "flat": False, None: None}
 
 
 def compressor(name: str, hvd: Any, process_set: Any = None) -> Any:
     """``none``, ``fp16``, ``qsgd<bits>`` or ``gqsgd<bits>[ts|flat][@<chunk KiB>k][b<bucket
-    KiB>k]`` (``ts``: ``two_stage=True``, ``flat``: ``False``, neither: the default, chosen by
-    world size; ``b0k``: ``bucket_bytes=0``, one bucket per step; no ``b``: the default)."""
+    KiB>k][rot|norot]`` (``ts``: ``two_stage=True``, ``flat``: ``False``, neither: the
+    default, chosen by world size; ``b0k``: ``bucket_bytes=0``, one bucket per step; no
+    ``b``: the default; ``rot``: ``rotation="hadamard"``, ``norot``: ``None``, neither: the
+    default, on at 4 bits and fewer)."""
     m = GQSGD_NAME.fullmatch(name)
     if m:
         extra = {} if m.group(3) is None else {"chunk_bytes": int(m.group(3)) * 1024}
         if m.group(4) is not None:
             extra["bucket_bytes"] = int(m.group(4)) * 1024
+        if m.group(5) is not None:
+            extra["rotation"] = ROTATION[m.group(5)]
         return GlobalQSGD(bits=int(m.group(1)), process_set=process_set,
                           two_stage=TWO_STAGE[m.group(2)], **extra)
     if name.startswith("qsgd"):  # the per-rank-scale baseline over an allgather

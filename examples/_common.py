@@ -73,7 +73,7 @@ def _option_value(text: str) -> Any:
             return convert(text)
         except ValueError:
             pass
-    return {"true": True, "false": False}.get(text.lower(), text)
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
 
 
 def parse_variant(spec: str) -> Variant:

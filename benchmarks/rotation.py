@@ -1,0 +1,204 @@
+"""The randomized Hadamard rotation (``rotation="hadamard"``), measured: error against the rank
+count on real gradients, training at 2, 4 and 16 ranks, and the 64 MB allreduce's speed on
+emulated hosts.  Writes its sections of docs/LOW_BITS.md.
+
+    python benchmarks/rotation.py                 # all three; about 40 minutes
+    python benchmarks/rotation.py --parts error   # error, train and/or speed
+
+* **error**: a single-process simulation with the library's own steps: the digits MLP's
+  gradients mid-training (benchmarks/hierarchical_sim.py), one per rank; flat (the core's
+  rounding, hierarchical_sim.quantized_sum) and two-stage (two_stage_sim.two_stage_sum, the
+  torch backend's kernels), each on the gradients as they are and rotated by
+  kernels.rotate_norms with a shared key, the sum rotated back with kernels.unrotate; the
+  relative error ``||g_hat - g|| / ||g||`` averaged over draws.
+* **train**: examples/char_lm.py (the 2-layer character LSTM on Python's help topics) under
+  horovodrun on this machine: 16 ranks with two-stage 4 and 8 bits, rotation off and on,
+  against fp32 (goals: 4 bits with rotation within 2%, 8 bits with rotation within 1%); 2
+  and 4 ranks with flat 4 bits, rotation off and on, and 8 bits with rotation, 3 seeds
+  (goal: 4 bits within 2%).
+* **speed**: one ``hvd.allreduce`` of 64 MB on 2 emulated hosts at 1 Gbit/s (root; see
+  emulated_hosts.py), 4 bits with the rotation against 8 bits without, in the same job, and
+  again on unthrottled links (the floor the 2 shared cores set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from bench_common import write_section
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "LOW_BITS.md"
+BLOCK = 1024
+RANKS = (2, 4, 8, 16, 64)
+TRAIN_GOALS = {4: 2.0, 8: 1.0}  # % above fp32's validation loss, with the rotation
+
+
+def rotated_sum(rows: np.ndarray, sum_fn, key: int, numels: list[int]) -> np.ndarray:
+    """``sum_fn`` of the rows rotated by ``key``, rotated back (float64)."""
+    from hvd_gqsgd import core, kernels
+
+    counts, _ = core.segments(numels, BLOCK)
+    rotated = np.empty_like(rows)
+    for r in range(rows.shape[0]):
+        kernels.rotate_norms(rows[r], counts, BLOCK, key, "max", rotated[r])
+    total = np.ascontiguousarray(sum_fn(rotated), dtype=np.float64)
+    kernels.unrotate(total, counts, BLOCK, key)
+    return total
+
+
+def _flat_sum(x: np.ndarray, counts: list[int], starts: np.ndarray, level: int,
+              rng: np.random.Generator) -> np.ndarray:
+    """Flat Global-QSGD's sum of the rows ``x`` against their own block scales."""
+    from hierarchical_sim import block_max, quantized_sum
+
+    return quantized_sum(x, block_max(x, starts), counts, level, rng)
+
+
+def error_part(draws: int) -> list[str]:
+    from hierarchical_sim import gradients
+    from two_stage_sim import two_stage_sum
+
+    from hvd_gqsgd import core
+
+    grads, numels = gradients(max(RANKS))
+    counts, _ = core.segments(numels, BLOCK)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    lines = ["| bits | ranks | flat | flat, rotated | two-stage | two-stage, rotated |",
+             "|---|---|---|---|---|---|"]
+    for bits in (4, 8):
+        for n in RANKS:
+            rows = grads[:n]
+            exact = rows.astype(np.float64).sum(axis=0)
+            norm = np.linalg.norm(exact)
+            cells = []
+            for two in (False, True):
+                for rot in (False, True):
+                    if not two and core.flat_levels(bits, n) == 0:
+                        cells.append("refused (L = 0)")
+                        continue
+                    errs = []
+                    for d in range(draws):
+                        rng = np.random.default_rng([d, n, bits])
+                        if two:
+                            summed = functools.partial(two_stage_sum, numels=numels, bits=bits,
+                                                       seed=1000 * n + d)
+                        else:
+                            summed = functools.partial(_flat_sum, counts=counts,
+                                                       starts=starts,
+                                                       level=core.levels(bits, n), rng=rng)
+                        key = core.rotation_key(d, 0, 0)
+                        got = rotated_sum(rows, summed, key, numels) if rot else summed(rows)
+                        errs.append(np.linalg.norm(got - exact) / norm)
+                    cells.append(f"{np.mean(errs):.3g}")
+            lines.append(f"| {bits} | {n} | " + " | ".join(cells) + " |")
+            print(lines[-1], flush=True)
+    return [f"`python benchmarks/rotation.py --parts error` ({time.strftime('%Y-%m-%d')}): "
+            f"relative error of the averaged gradient, digits MLP gradients mid-training (one "
+            f"per rank), {draws} rounding draws, scale blocks of {BLOCK}.", "", *lines]
+
+
+def train_job(ranks: int, variants: str, seeds: str, steps: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "runs.json"
+        command = [str(Path(sys.executable).parent / "horovodrun"), "--gloo", "-np",
+                   str(ranks), "-H", f"localhost:{ranks}", sys.executable,
+                   str(ROOT / "examples" / "char_lm.py"), "--variants", variants, "--steps",
+                   str(steps), "--seeds", seeds, "--json", str(out)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+               "TF_CPP_MIN_LOG_LEVEL": "3"}
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=6 * 3600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"char_lm at {ranks} ranks failed:\n{proc.stdout[-3000:]}\n"
+                               f"{proc.stderr[-3000:]}")
+        return json.loads(out.read_text())["runs"]
+
+
+def train_rows(ranks: int, runs: list[dict]) -> list[str]:
+    by: dict[str, list[dict]] = {}
+    for r in runs:
+        by.setdefault(r["spec"], []).append(r)
+    base = {r["seed"]: r["val_loss"] for r in by["none"]}
+    lines = []
+    for spec, group in by.items():
+        rel = [100 * (r["val_loss"] / base[r["seed"]] - 1) for r in group]
+        goal = ""
+        if "rotation=hadamard" in spec:
+            bits = int(spec[2:spec.index(":")])
+            limit = TRAIN_GOALS.get(bits)
+            if limit is not None:
+                goal = f"within {limit:g}%: {'met' if np.mean(rel) <= limit else 'not met'}"
+        vals = [r["val_loss"] for r in group]
+        lines.append(f"| {ranks} | {group[0]['label']} | {np.mean(vals):.4f} | "
+                     f"{np.mean(rel):+.2f}% | {len(group)} | {goal or '-'} |")
+    return lines
+
+
+def train_part(steps: int) -> list[str]:
+    lines = ["| ranks | variant | final val loss | vs fp32 (mean of seeds) | seeds | goal |",
+             "|---|---|---|---|---|---|"]
+    flat = ("none,gq4:two_stage=false:rotation=none,gq4:two_stage=false:rotation=hadamard,"
+            "gq8:two_stage=false:rotation=hadamard")
+    for ranks in (2, 4):
+        lines += train_rows(ranks, train_job(ranks, flat, "0,1,2", steps))
+        print("\n".join(lines), flush=True)
+    big = ("none,gq4:two_stage=true:rotation=none,gq4:two_stage=true:rotation=hadamard,"
+           "gq8:two_stage=true:rotation=none,gq8:two_stage=true:rotation=hadamard")
+    lines += train_rows(16, train_job(16, big, "0", steps))
+    return [f"`python benchmarks/rotation.py --parts train` ({time.strftime('%Y-%m-%d')}): "
+            f"examples/char_lm.py, {steps} steps, global batch 32, under horovodrun on this "
+            "machine (2 cores); the same data and initial weights for every variant.", "",
+            *lines]
+
+
+def speed_part(repeats: int) -> list[str]:
+    from emulated_hosts import require_root
+    from netbench import run_job
+
+    require_root()
+    names = "none,fp16,gqsgd8norot,gqsgd4rot,gqsgd4norot"
+    lines = ["| links | variant | median s | vs GlobalQSGD(8) |", "|---|---|---|---|"]
+    for rate in ("1gbit", None):
+        got = run_job(2, rate, "allreduce_worker.py", "--mb", "64", "--repeats", str(repeats),
+                      "--compressors", names)
+        t = {r["what"]: r["median_s"] for r in got if r["what"] in names.split(",")}
+        for name, s in t.items():
+            lines.append(f"| {rate or 'unthrottled'} | {name} | {s:.3f} | "
+                         f"{t['gqsgd8norot'] / s:.2f}x |")
+        print("\n".join(lines), flush=True)
+    return [f"`python benchmarks/rotation.py --parts speed` ({time.strftime('%Y-%m-%d')}): one "
+            "`hvd.allreduce` of 64 MB fp32 on 2 emulated hosts (PyTorch, mpirun), median of "
+            f"{repeats}; `gqsgd4rot` is GlobalQSGD(4) with the rotation (two-stage, the 4-bit "
+            "default), `gqsgd8norot` GlobalQSGD(8) without.", "", *lines]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="error,train,speed")
+    parser.add_argument("--draws", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=9)
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    if "error" in parts:
+        write_section(DOC, "rotation_error", ["### Rotation: error against the rank count",
+                                              "", *error_part(args.draws)])
+    if "train" in parts:
+        write_section(DOC, "rotation_train", ["### Rotation: training", "",
+                                              *train_part(args.steps)])
+    if "speed" in parts:
+        write_section(DOC, "rotation_speed", ["### Rotation: 64 MB allreduce speed", "",
+                                              *speed_part(args.repeats)])
+
+
+if __name__ == "__main__":
+    main()
