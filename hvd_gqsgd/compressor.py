@@ -92,11 +92,10 @@ class GlobalQSGD:
     reduce-scatter of codes in lanes wide enough that every rank keeps
     :math:`2^{bits-1} - 1` levels (``core.two_stage_bits``: at most ``bits + ceil(log2 n)``),
     one unbiased requantization of each shard's exact sum to ``bits`` with scales of its own,
-    and an allgather.  The error then stays near one rank's at ``bits`` whatever ``n`` is
-    (8 bits on real gradients: 0.02 from 2 to 1024 ranks, where flat's grows to 0.17 at 16
-    and is refused from 128: docs/TWO_STAGE.md), for about ``(64 / (64 // w) + bits) / 2``
-    bits per element in allreduce terms: 8.6 at 2 ranks and 8 bits, 9.3 at 4, 10.4 at 8-16,
-    12 at 32-256, i.e. 2.7-3.7x fewer bytes than fp32.
+    and an allgather.  The error then stays near one rank's at ``bits`` whatever ``n`` is,
+    where flat's grows with ``n`` (docs/TWO_STAGE.md has the measurements), for about
+    ``(64 / (64 // w) + bits) / 2`` bits per element in allreduce terms: 8.6 at 2 ranks and
+    8 bits, 9.3 at 4, 10.4 at 8-16, 12 at 32-256 (arithmetic from the lane widths).
 
     Example::
 
@@ -123,13 +122,14 @@ class GlobalQSGD:
             waiting.  Under ``hvd.DistributedOptimizer``, which calls ``compress`` from each
             gradient's backward hook, a deep model's codes then go on the wire while
             backward still runs.  ``None`` (default) lets the adapter choose: PyTorch 8 MiB
-            (``core.AUTO_BUCKET_BYTES``; 0 with ``hierarchical``, whose collectives block);
+            (``core.AUTO_BUCKET_BYTES``; with ``hierarchical``, whose collectives block, the
+            first ``decompress`` seals the round in buckets of that size);
             TensorFlow 8 MiB inside ``tf.function``, where each bucket becomes its own grouped
             Horovod call (:func:`hvd_gqsgd.tensorflow.buckets`) that TF starts once its
             gradients exist, and one group eagerly, where tapes hand over every gradient at
             once.  0: one bucket per round, sealed by the first ``decompress``: one scale
-            exchange and one codes allreduce per step, fewest collectives, which measured as
-            fast or faster where backward is short next to the wire (docs/BENCHMARKS.md).
+            exchange and one codes allreduce per step, fewest collectives, which can win where
+            backward is short next to the wire (docs/BENCHMARKS.md).
         chunk_bytes: packed bytes per Sum allreduce: a larger bucket is quantized and sent
             chunk by chunk, so Horovod's background thread puts chunk k on the wire while
             chunk k+1 is being quantized.  ``None`` (default) lets the adapter choose:
@@ -137,16 +137,16 @@ class GlobalQSGD:
             (``core.AUTO_CHUNK_BYTES``, 8 MiB of fp32 gradient at ``bits=8``) and unpacks
             each one as soon as it arrives; eager TensorFlow (where every Horovod op blocks
             until done, so chunks could not overlap) and PyTorch (which joins the chunks
-            before decoding, and where chunks measured slower: docs/BENCHMARKS.md) send one
+            before decoding, and where chunks were no faster: docs/BENCHMARKS.md) send one
             allreduce per bucket.  0 forces one allreduce per bucket; an int > 0 sets the
             chunk size.  ``HVD_GQSGD_OVERLAP_NICE`` lowers the priority of TF's overlapping
             quantize (:class:`hvd_gqsgd.kernels.WireWatch`; off by default).
         scale_block: elements per global scale (default 1024): each block of a tensor gets
             its own scale, at 8 bytes per block in the MAX exchange (0.8% more bytes at
             ``bits=8``).  Finer scales waste fewer levels where gradients are small: 1024
-            halves the quantization error against one scale per tensor (docs/LOW_BITS.md)
-            and brought a char-level LSTM at 8 bits and 4 ranks from +4.3% to +0.4% of
-            fp32's validation loss (docs/CONVERGENCE.md).  0: one scale per tensor.  A
+            follows the gradient's magnitude more closely than one scale per tensor, with a
+            lower quantization error and training loss (docs/LOW_BITS.md,
+            docs/CONVERGENCE.md).  0: one scale per tensor.  A
             NaN/Inf poisons only its own block.
         hierarchical: sum in full precision inside each node (Horovod's ``local_rank`` /
             ``cross_rank``), then run Global-QSGD across nodes only, so ``L`` is set by the

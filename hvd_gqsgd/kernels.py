@@ -19,8 +19,8 @@ draw it in any order, and it can be regenerated for any element.  Element ``i`` 
 takes as its uniform ``u`` the top 24 bits of a 32-bit hash of ``i`` and the bucket's key.
 The comparison ``u < frac(y)`` is exact, so the rounding bias is below ``2**-24`` of a step,
 and zero wherever ``|y| >= 1/2`` in float32 (``frac(y)`` is then a multiple of ``2**-24``).
-A 32-bit hash vectorizes eight lanes wide on AVX2, where the 64-bit hash used before did
-not: :func:`quantize_pack` of 2M float32 takes 1.0 ms, against 4.0 ms with that hash.
+A 32-bit hash vectorizes eight lanes wide on AVX2, where a 64-bit hash does not
+(``benchmarks/cpu_cost.py`` measures the kernels).
 
 Framework-free: arguments are NumPy arrays (the torch adapter passes zero-copy views of CPU
 tensors).  Importing this module compiles nothing; each kernel is compiled on first use and
@@ -138,17 +138,16 @@ if numba is not None:
         y = clamp(x[i] * mult, -top, top) and u_i = noise(key, i) (``seed``: ``_seed`` of
         these elements).  u_i is a multiple of 2**-24 and frac(y) is exact in x's dtype, so
         the comparison is exact, and for float32 it runs in float32 lanes, eight per AVX2
-        vector (float64 lanes: 1.6x slower).  A NaN codes as +top (see _codes).
+        vector (float64 lanes are half as wide).  A NaN codes as +top (see _codes).
 
         Not inlined: computed in the same function as this loop, the seed kept it from
-        vectorizing (2.1x slower).  Indices are unsigned: numba then skips its
-        negative-index wraparound select, which otherwise keeps it from vectorizing too
-        (measured 3.4x slower)."""
+        vectorizing.  Indices are unsigned: numba then skips its negative-index wraparound
+        select, which otherwise keeps it from vectorizing too."""
         unit = numba.float32(_UNIT)
         for i in range(lo, hi):
             r = numba.float32(numba.int32(_mix32(_U(_U(i) + seed)) >> _U(8)))
             v = x[i] * mult
-            y = v if v < top else top  # two selects: a NaN test as well cost 2x
+            y = v if v < top else top  # two selects: a NaN test as well breaks the vector
             y = y if y > -top else -top
             low = np.floor(y)
             codes[i] = numba.int16(low) + numba.int16(r * unit < y - low)
@@ -256,8 +255,8 @@ if numba is not None:
         # and, inside them, runs that share one scale.  The product is formed in float64
         # (exact for a 16-bit integer times a float32) and rounded once on the store, so a
         # float32 result is the same as a float32 multiply; but a tiny float32 scale is no
-        # subnormal there, and subnormal float32 arithmetic cost 2 ms per 1024-element tensor
-        # (a deep net's vanishing gradients) against 4 us.
+        # subnormal there, and subnormal float32 arithmetic (a deep net's vanishing
+        # gradients) runs orders of magnitude slower than normal arithmetic.
         for w in numba.prange((out.size + BLOCK - 1) // BLOCK):
             lo, hi = w * BLOCK, min(out.size, (w + 1) * BLOCK)
             while lo < hi:
@@ -375,7 +374,7 @@ if numba is not None:
         time, from src[s0:s0 + block] to dst[d0:d0 + block] through the halves of buf (2 *
         block scratch): b0 first, then the other (src may be the other).  Only offsets
         change from pass to pass, never which array: numba counts references on every
-        array assignment, and choosing an array per pass made the transform 15-20% slower."""
+        array assignment, which choosing an array per pass would pay each pass."""
         n = (stages + 1) // 2
         radix2 = stages % 2 == 1
         if n == 1:
@@ -406,8 +405,8 @@ if numba is not None:
     def _forward(x, lo, out, block, g, key, one, buf, spare):
         """out[lo:lo + block] = H_B (d * x[lo:lo + block]); g: the global index of x[lo];
         one: 1 in x's dtype; spare: scratch of ``block``.  The last stage writes scratch and
-        a plain copy writes out: 2-3 ms faster per 64 MB than the last stage's four store
-        streams into out."""
+        a plain copy writes out: one store stream into out instead of the last stage's
+        four."""
         _signed_block(x, lo, buf, block, block, g, key, one)
         _passes(buf, block, spare, numba.uint64(0), block, _log2(block), buf, numba.uint64(0))
         for t in range(block):
@@ -416,9 +415,9 @@ if numba is not None:
     @numba.njit
     def _inverse(src, s0, out, lo, block, g, key, inv, buf, spare):
         """out[lo:lo + block] = d * ((H_B src[s0:s0 + block]) * inv); src may be the upper
-        half of buf; spare: scratch of ``block``, none of src, out and buf.  (The signs in
-        the loop of the last two stages, or the forward's in the first two, took 0.31-0.34
-        ns per element against 0.22 for the plain stages and this separate pass, in L1.)"""
+        half of buf; spare: scratch of ``block``, none of src, out and buf.  The signs go
+        in a separate pass: in the loop of the last two stages (or the forward's first two)
+        they kept those stages from vectorizing."""
         _passes(src, s0, spare, numba.uint64(0), block, _log2(block), buf, numba.uint64(0))
         _signed_block(spare, numba.uint64(0), out, lo, block, g, key, inv)
 
@@ -500,7 +499,7 @@ if numba is not None:
 
     def _twin(fn):
         """Compile ``fn`` twice: threaded for big inputs, serial for small ones (a threaded
-        launch costs about 1 ms, more than a small tensor's whole work).  The serial twin
+        launch costs more than a small tensor's whole work).  The serial twin
         releases the GIL, so that Python threads (TF's host calls, WireWatch's signals) run
         while it works; the threaded one keeps it, which also keeps two threaded launches
         from overlapping (numba's workqueue layer aborts on that)."""
@@ -541,9 +540,8 @@ def thread_budget(environ: Mapping[str, str] = os.environ, cpus: int | None = No
 
     Why not numba's default of one thread per CPU in every rank: the threaded twins run on
     numba's OpenMP pool, whose idle threads spin before they sleep.  With more ranks than
-    CPUs that spinning took the CPUs from everything else: 4 ranks of the local-SGD benchmark
-    on 2 CPUs took 0.45-0.61 s per local step (which calls no kernel) against 0.06-0.07 s with
-    one thread per rank (benchmarks/local_sgd.py on emulated hosts).
+    CPUs that spinning takes the CPUs from everything else, steps that call no kernel
+    included (seen with the local-SGD study's 4 ranks on 2 CPUs).
     """
     if "NUMBA_NUM_THREADS" in environ:
         return _positive_int(environ, "NUMBA_NUM_THREADS")
@@ -600,13 +598,12 @@ def overlap_nice(environ: Mapping[str, str] = os.environ) -> int:
     chunks are on the wire: ``HVD_GQSGD_OVERLAP_NICE`` (0-19), default 0 (on the calling
     thread, at its priority).
 
-    What it is for: a chunk is quantized about 10x faster than a 1 Gbit/s link sends it, so
-    the overlap has slack, but the transfer needs CPU too (Open MPI's progress thread
+    What it is for: a chunk is quantized much faster than a 1 Gbit/s link sends it, so the
+    overlap has slack, but the transfer needs CPU too (Open MPI's progress thread
     busy-polls its sockets, and the kernel runs TCP).  Where every core is busy, quantizing
-    at the same priority takes that CPU from the transfer it should hide behind.  Measured
-    on emulated hosts that share 2 cores (README, "Performance"), 10 made TF's chunked
-    64 MB allreduce faster at 1 Gbit/s and slower at 4 hosts and 10 Gbit/s, where chunks
-    trickle out one at a time instead of being fused; hence off by default."""
+    at the same priority takes that CPU from the transfer it should hide behind.  Which way
+    it goes depends on the links and the cores (docs/BENCHMARKS.md has runs both ways);
+    hence off by default."""
     if OVERLAP_NICE_VAR not in environ:
         return DEFAULT_OVERLAP_NICE
     value = environ[OVERLAP_NICE_VAR].strip()
@@ -808,9 +805,8 @@ def rotate_norms(x: np.ndarray, counts: Sequence[int], block: int, key: int, nor
     cache.  Bit for bit what :func:`hvd_gqsgd.core.rotate` computes.
 
     ``out`` may be ``x`` itself when the caller owns it (a bucket's own flat copy): each
-    block is read whole before it is written, and in place it measured 15-17 ms per 64 MB
-    against 20-22 ms into a separate buffer (which the first write to each line must also
-    read).  Never in place on a user's tensor."""
+    block is read whole before it is written, and in place saves the reads that the first
+    write to each line of a separate buffer costs.  Never in place on a user's tensor."""
     bounds = _bounds(counts)
     if norm == "l2":
         norms = np.empty(bounds.size - 1, dtype=np.float64)
@@ -956,8 +952,8 @@ ALIGN = 64  # bytes: host_array's alignment (at least EIGEN_MAX_ALIGN_BYTES for 
 _POOL_MIN = 1 << 20  # bytes: smaller buffers are cheap to allocate afresh
 # Per size: bytes of buffers kept beyond the first.  Each bucket's decoded gradient lives
 # until the framework drops it, so a step holds one buffer per bucket at once (8 for the
-# deep model's 64 MB in 8 MiB buckets); with 16 MiB, all but one faulted in fresh pages
-# every step (rescale_bucket 19-30 ms a step, 14-17 ms pooled: benchmarks/deep_timeline.py).
+# deep model's 64 MB in 8 MiB buckets); with less, all but one would fault in fresh pages
+# every step (studies/deep_timeline.py shows where a step's time goes).
 # The pool never holds more than the most buffers of a size that were in use at once.
 _POOL_BYTES = 256 << 20
 _pool: dict[int, list[np.ndarray]] = {}
@@ -969,11 +965,11 @@ def host_array(shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
     to their framework (which then owns them for as long as it keeps the tensor).
 
     Buffers of ``_POOL_MIN`` bytes and more are recycled (:func:`_recycled`): a fresh 64 MB
-    buffer costs its page faults again every step (10 ms of a 64 MB round trip here).  NumPy
-    memory, not the framework's: NumPy asks for transparent huge pages on large buffers
-    (torch.empty cost 30 ms more per 64 MB here, with THP in "madvise" mode)."""
+    buffer costs its page faults again every step.  NumPy memory, not the framework's:
+    NumPy asks for transparent huge pages on large buffers, which a framework's allocator
+    does not where THP is in "madvise" mode."""
     dtype = np.dtype(dtype)
-    size = math.prod(shape) if isinstance(shape, tuple) else int(shape)  # np.prod: 5 us
+    size = math.prod(shape) if isinstance(shape, tuple) else int(shape)  # not np.prod: slow
     nbytes = size * dtype.itemsize
     raw = _recycled(nbytes) if nbytes >= _POOL_MIN else np.empty(nbytes + ALIGN, np.uint8)
     skip = -raw.ctypes.data % ALIGN

@@ -46,8 +46,8 @@ def group_gradients(late: bool = False) -> None:
     With Horovod's default ``num_groups=0``, ``DistributedGradientTape`` and the (legacy)
     Keras ``DistributedOptimizer`` reduce each gradient in its own ``tf.cond``: a compressor
     sees one tensor at a time and pays a scale exchange, a code allreduce and a host call per
-    gradient (a 300-tensor model stepped 44x slower than uncompressed).  Grouped, each group
-    is one bucket.  Results are the same either way: one gradient's reduction does not depend
+    gradient (a 300-tensor model stepped many times slower than uncompressed).  Grouped,
+    each group is one bucket.  Results are the same either way: one gradient's reduction does not depend
     on the others'.  Other compressors, and an explicit ``num_groups`` or ``groups``, are left
     as they are.
 
@@ -443,7 +443,7 @@ class TensorFlowBackend:
 
     def take(self, rescaled: Any, offset: int, like: Any, reduced_probe: Any,
              world_size: int) -> Any:
-        # The bucket was rescaled in one host call (one per tensor cost ~40 us, more than a
+        # The bucket was rescaled in one host call (one per tensor costs more than a
         # small gradient's whole reduction) with its first probe's factor: in TF a bucket of
         # several tensors is always one grouped_allreduce call, so one op and factor.
         part = rescaled[offset:offset + _static_numel(like)]
@@ -546,7 +546,7 @@ def _host(fn: Callable[..., Any], inputs: list[Any], dtype: Any, shape: list[int
     """``fn`` on the inputs' NumPy values as a *stateless* graph op (see the module docstring
     for why); eagerly it is simply called.  Big results come from :func:`kernels.host_array`:
     ``numpy_function`` hands TF a 64-byte aligned array's buffer as is but copies an
-    unaligned one (NumPy aligns big arrays to 16 bytes only; 17 ms per 64 MB here).  A Python
+    unaligned one (NumPy aligns big arrays to 16 bytes only).  A Python
     exception in ``fn`` surfaces as a TF error carrying the same message."""
     if tf.executing_eagerly():
         return tf.convert_to_tensor(fn(*[t.numpy() for t in inputs]), dtype)

@@ -26,17 +26,17 @@ PROBE_BLOCK = 64  # ProbeRows' first block
 _FLAT_LAYOUTS = 64  # FlatRows kept at most (one per bucket layout)
 # Larger buckets are built in recycled memory (host_empty), where a round's next bucket
 # reuses the last one's buffer while it is still in cache: a buffer kept per bucket made the
-# deep model's eight 8 MiB buckets (64 MB, out of cache) 2-3 ms a round slower to fill and
-# read (benchmarks/engine_cpu.py), and it saves a call per tensor, which only many small
-# tensors feel.
+# deep model's eight 8 MiB buckets (64 MB, out of cache) slower to fill and read
+# (studies/engine_cpu.py), and it saves a call per tensor, which only many small tensors
+# feel.
 FLAT_ROWS_MAX_BYTES = 2 << 20
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
 def host_empty(shape: int | tuple[int, ...], dtype: type) -> torch.Tensor:
     """An uninitialised CPU tensor on :func:`hvd_gqsgd.kernels.host_array` memory: NumPy's
-    (huge pages on large buffers, where a fresh 64 MB torch.empty buffer filled once cost
-    30 ms more here), and recycled once nothing holds it."""
+    (huge pages on large buffers, which torch.empty's do not get), and recycled once nothing
+    holds it."""
     return torch.from_numpy(kernels.host_array(shape, dtype))
 
 
@@ -44,9 +44,9 @@ class ProbeRows:
     """Horovod's per-tensor probes of one value and device, kept from round to round.
 
     Horovod reduces each probe in place, so no two tensors of a round may share one; but a
-    freshly built 2-element tensor per gradient tensor per step cost 7 ms a step with 300 of
-    them on 2 ranks, three quarters of what Horovod's own fp16 cast adds there
-    (``benchmarks/small_tensors.py``: ``floorfresh`` against ``floor``).  So the probes are
+    freshly built 2-element tensor per gradient tensor per step costs a many-tensor model
+    about as much as Horovod's own fp16 cast adds (``benchmarks/small_tensors.py``:
+    ``floorfresh`` against ``floor``).  So the probes are
     rows of blocks made once (``PROBE_BLOCK`` rows, then doubling); ``take`` hands out the
     next row, and ``refill``, once the round's results are all taken, writes the values back
     into the rows used (one copy per block), which the next round hands out again in the
@@ -81,7 +81,7 @@ class FlatRows:
     """Flat bucket buffers of one layout (the tensors' shapes and dtypes), kept from round to
     round, each with a view of it in every tensor's shape, so that filling one is a single
     ``torch._foreach_copy_``: building the flat buffer from the tensors afresh, one reshape
-    per tensor and a ``torch.cat``, cost 0.35 ms of a 300-tensor bucket, this 0.19 ms with its
+    per tensor and a ``torch.cat``, costs a 300-tensor bucket about twice this with its
     lookup.  Used like :class:`ProbeRows`: ``take`` fills and hands out the next buffer (two
     buckets of a round with one layout get two), ``reset`` once the round is over makes them
     all free."""
@@ -349,7 +349,7 @@ class TorchLocal(TorchOps):
                               self._tables.table(counts, out.device), scales)
 
     def auto_chunk_bytes(self, flat: Any) -> int:
-        # One Sum allreduce per bucket: chunks measured no faster here (docs/BENCHMARKS.md),
+        # One Sum allreduce per bucket: chunks were no faster (docs/BENCHMARKS.md),
         # as the summed words are joined and decoded only after the last chunk arrives.
         return 0
 
