@@ -47,9 +47,9 @@ def group_gradients(late: bool = False) -> None:
     Keras ``DistributedOptimizer`` reduce each gradient in its own ``tf.cond``: a compressor
     sees one tensor at a time and pays a scale exchange, a code allreduce and a host call per
     gradient (a 300-tensor model stepped many times slower than uncompressed).  Grouped,
-    each group is one bucket.  Results are the same either way: one gradient's reduction does not depend
-    on the others'.  Other compressors, and an explicit ``num_groups`` or ``groups``, are left
-    as they are.
+    each group is one bucket.  Results are the same either way: one gradient's reduction
+    does not depend on the others'.  Other compressors, and an explicit ``num_groups`` or
+    ``groups``, are left as they are.
 
     How the gradients are grouped depends on where the reduction is built:
 
