@@ -139,7 +139,9 @@ class Stats:
     scale/layout vector and the probes; ``uncompressed`` what the same tensors would have cost
     in their own dtype.  Seconds: ``quantize_s`` is local work (norms, quantize, pack, unpack,
     rescale), ``scale_wait_s`` the blocking scale exchange, ``codes_wait_s`` waiting for the
-    summed codes.  Inside ``tf.function`` these describe tracing, not executed steps.
+    summed codes.  Inside ``tf.function`` these describe tracing, not executed steps.  The
+    seconds are host time: on CUDA they count the launches of asynchronous work and the
+    waits for collectives, not the device's time on each step.
 
     Example::
 

@@ -148,7 +148,8 @@ class GlobalQSGDReduceScatter:
         words = torch_dist.scatter_rows(state, flat, scales, rows, row_words, levels1,
                                         lane_bits)
         launched = time.perf_counter()
-        summed = torch_dist.reduce_scatter(words, row_words, group).wait()  # COLLECTIVE
+        summed = torch_dist.reduce_scatter(words, row_words, group,
+                                           wait=True).wait()  # COLLECTIVE
         arrived = time.perf_counter()
         divisor = float(n if self.divide_factor is None else self.divide_factor)
         steps = core.step_sizes(torch_dist.OPS, scales[rank * m:(rank + 1) * m], levels1)

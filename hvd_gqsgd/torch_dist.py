@@ -272,23 +272,47 @@ def scatter_rows(state: Transport, flat: torch.Tensor, scales: torch.Tensor,
     return words
 
 
-def reduce_scatter(words: torch.Tensor, shard_words: int, group: Any) -> torch.futures.Future:
-    """COLLECTIVE, async: the int64 SUM reduce-scatter of ``words`` (``n * shard_words``), as
-    a future of this rank's ``shard_words`` summed words.  NCCL: ``reduce_scatter``.  Gloo,
+PIECE_BYTES = 4 << 20  # Gloo, blocking: bytes of every rank's words per all_to_all
+
+
+def reduce_scatter(words: torch.Tensor, shard_words: int, group: Any,
+                   wait: bool = False) -> torch.futures.Future:
+    """COLLECTIVE: the int64 SUM reduce-scatter of ``words`` (``n * shard_words``), as a
+    future of this rank's ``shard_words`` summed words.  NCCL: ``reduce_scatter``.  Gloo,
     whose ``reduce_scatter`` runs a full all_reduce (twice the bytes) and blocks
     (``GLOO_REDUCE_SCATTER``): an ``all_to_all`` of the shards, then the int64 sum of the
-    ``n`` received copies (every lane then holds ``n`` codes inside its bound)."""
+    ``n`` received copies (every lane then holds ``n`` codes inside its bound).
+
+    ``wait`` (the FSDP2 hook, which needs the shard before it returns): issued blocking, so
+    on CUDA the work is only queued on the current stream (no host wait), and on Gloo the
+    all_to_all goes in pieces of ``PIECE_BYTES``, so that the receive buffer is a piece, not
+    a second copy of the words.  Otherwise (the DDP hook) asynchronous, one piece."""
     n = words.numel() // shard_words
     gloo = dist.get_backend(group) == dist.Backend.GLOO
     if not gloo or GLOO_REDUCE_SCATTER == "reduce_scatter":
         out = torch.empty(shard_words, dtype=torch.int64, device=words.device)
+        blocking = gloo or wait
         work = _reduce_scatter_single(out, words, op=dist.ReduceOp.SUM, group=group,
-                                      async_op=not gloo)
-        if gloo:  # Gloo's reduce_scatter work has no future (Work::getFuture): it blocked
-            done: torch.futures.Future = torch.futures.Future()
-            done.set_result(out)
-            return done
+                                      async_op=not blocking)
+        if blocking:  # Gloo's reduce_scatter work has no future (Work::getFuture)
+            return _done(out)
         return work.get_future().then(lambda _: out)
+    if wait:
+        out = torch.empty(shard_words, dtype=torch.int64, device=words.device)
+        rows = words.view(n, shard_words)
+        step = max(1, PIECE_BYTES // (8 * n))
+        for lo in range(0, shard_words, step):
+            piece = rows[:, lo:lo + step].contiguous()
+            received = torch.empty_like(piece)
+            dist.all_to_all_single(received, piece, group=group)
+            torch.sum(received, 0, out=out[lo:lo + piece.shape[1]])
+        return _done(out)
     received = torch.empty_like(words)
     work = dist.all_to_all_single(received, words, group=group, async_op=True)
     return work.get_future().then(lambda _: received.view(n, shard_words).sum(0))
+
+
+def _done(value: torch.Tensor) -> torch.futures.Future:
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(value)
+    return done

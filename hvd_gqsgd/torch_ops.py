@@ -1,8 +1,25 @@
 """The core's tensor primitives as torch ops, with no Horovod: :class:`TorchOps`
 (:class:`hvd_gqsgd.core.TensorOps`, each method one torch call) and :class:`TorchLocal`, the
 local (non-collective) half of the torch backend, which the Horovod adapter
-(:mod:`hvd_gqsgd.torch`) extends with Horovod's collectives and the DDP hook
-(:mod:`hvd_gqsgd.ddp`, which must not import Horovod) uses as is.  No formula lives here.
+(:mod:`hvd_gqsgd.torch`) extends with Horovod's collectives and the DDP and FSDP2 hooks
+(:mod:`hvd_gqsgd.torch_dist`, which must not import Horovod) use as is.  No formula lives
+here.  CPU tensors run the fused kernels (:mod:`hvd_gqsgd.kernels`); CUDA tensors (and CPU
+with ``HVD_GQSGD_KERNELS=0``) the torch-ops path (:mod:`hvd_gqsgd.torch_generic`), whose
+memory is bounded per chunk.
+
+Host synchronisations on CUDA.  A round copies from the device to the host only what the
+algorithm must read there, once per bucket, never per tensor or per element:
+
+* the layout pair at the end of the exchanged scales (:meth:`TorchLocal.check_layout`:
+  ranks that queued different tensors must fail, not sum them);
+* the bucket's first probe (:meth:`TorchLocal.rescale_bucket`: the op's factor, checked);
+* the bucket's other probes, together, when its last tensor is taken
+  (:meth:`TorchLocal.take`);
+* with ``hierarchical``, the node table (:meth:`TorchLocal.host_list`).
+
+Tables that go the other way (segment sizes, part offsets) are copied to the device once per
+layout and kept, since a copy from pageable host memory waits for the stream too.  The
+DDP and FSDP2 hooks read nothing back at all.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from fsdp_inputs import (  # noqa: E402
 )
 
 import hvd_gqsgd.fsdp as gq  # noqa: E402
+import hvd_gqsgd.torch_dist as torch_dist  # noqa: E402
 
 # The scenarios below check the hook without a rotation (the default rotates at 4 bits);
 # `rotation` checks it with one
@@ -75,7 +76,10 @@ def grid(rank, n):
 
 
 def recorded(rank, n):
-    """Random rows through direct calls (seed 5): serial before each call, the output."""
+    """Random rows through direct calls (seed 5): serial before each call, the output.  The
+    Gloo reduce-scatter goes in pieces of 5 words per rank (the default is 4 MiB), so the
+    piecewise sums are checked too."""
+    torch_dist.PIECE_BYTES = 8 * n * 5
     state = FSDPState(bits=8, seed=5)
     comm = _comm(state)
     calls = []
@@ -88,6 +92,7 @@ def recorded(rank, n):
     half = FSDPState(bits=4, seed=5)
     calls.append((0, 2500, _call(_comm(half, divisor=2.5), random_rows(rank, n, 8, 2500),
                                  torch.float32)))
+    torch_dist.PIECE_BYTES = 4 << 20
     return calls
 
 
