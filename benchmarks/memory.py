@@ -31,11 +31,11 @@ LABELS = {"hvd": "Horovod `hvd.allreduce`, flat", "hvd-two-stage": "Horovod, `tw
 GOAL = 0.5  # added bytes over the uncompressed round, in gradient fp32 bytes
 
 
-def launch(entry: str, variant: str, mb: int, kernels: bool, ranks: int = 2) -> dict:
-    """One job; its rank-0 JSON line."""
+def launch(entry: str, sizes: list[int], kernels: bool, ranks: int = 2) -> list[dict]:
+    """One 2-rank job measuring both variants at every size; its rank-0 JSON lines."""
     bin_dir = Path(sys.executable).parent
-    script = [sys.executable, str(WORKER), "--entry", entry, "--variant", variant,
-              "--mb", str(mb)]
+    script = [sys.executable, str(WORKER), "--entry", entry, "--mb",
+              ",".join(str(m) for m in sizes)]
     if entry.startswith("hvd"):
         cmd = [str(bin_dir / "horovodrun"), "--gloo", "-np", str(ranks), "-H",
                f"localhost:{ranks}", *script]
@@ -44,53 +44,66 @@ def launch(entry: str, variant: str, mb: int, kernels: bool, ranks: int = 2) -> 
                "29517", *script[1:]]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
            "HVD_GQSGD_KERNELS": "1" if kernels else "0"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    lines = [ln.split(":", 1)[-1] if ln.startswith("[") else ln
-             for ln in proc.stdout.splitlines()]
-    rows = [json.loads(ln[ln.index("{"):]) for ln in lines if "{" in ln and "added_bytes" in ln]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    rows = [json.loads(ln[ln.index("{"):]) for ln in proc.stdout.splitlines()
+            if "added_bytes" in ln]
     if proc.returncode != 0 or not rows:
-        raise RuntimeError(f"{entry} {variant} failed:\n{proc.stdout[-3000:]}\n"
-                           f"{proc.stderr[-3000:]}")
-    return rows[0]
+        raise RuntimeError(f"{entry} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return rows
 
 
-def measure(mb: int, entries: list[str], paths: list[bool]) -> list[dict]:
-    """Per (entry, path): the added bytes of both variants and their difference in gradient
-    fp32 bytes."""
+def measure(sizes: list[int], entries: list[str], paths: list[bool]) -> list[dict]:
+    """Per (entry, path, size): the added bytes of both variants and their difference in
+    gradient fp32 bytes; with two sizes, also the slope: what each further MB of gradient
+    adds (what grows with the model, the per-chunk part cancelling out)."""
     out = []
     for entry in entries:
         for kernels in paths:
-            none = launch(entry, "none", mb, kernels)["added_bytes"]
-            mine = launch(entry, "gqsgd8", mb, kernels)["added_bytes"]
-            row = {"entry": entry, "kernels": kernels, "mb": mb, "none": none, "gqsgd8": mine,
-                   "ratio": (mine - none) / (mb * 2**20)}
-            print(json.dumps(row), flush=True)
-            out.append(row)
+            got = {(r["variant"], r["mb"]): r["added_bytes"] for r in
+                   launch(entry, sizes, kernels)}
+            for mb in sizes:
+                extra = got[("gqsgd8", mb)] - got[("none", mb)]
+                row = {"entry": entry, "kernels": kernels, "mb": mb,
+                       "none": got[("none", mb)], "gqsgd8": got[("gqsgd8", mb)],
+                       "ratio": extra / (mb * 2**20)}
+                print(json.dumps(row), flush=True)
+                out.append(row)
     return out
 
 
+def slope(rows: list[dict], entry: str, kernels: bool) -> float:
+    """Extra bytes per gradient byte between the smallest and the largest size."""
+    mine = sorted((r for r in rows if r["entry"] == entry and r["kernels"] == kernels),
+                  key=lambda r: r["mb"])
+    lo, hi = mine[0], mine[-1]
+    extra = (hi["gqsgd8"] - hi["none"]) - (lo["gqsgd8"] - lo["none"])
+    return extra / ((hi["mb"] - lo["mb"]) * 2**20)
+
+
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| entry | path | uncompressed round adds (MB) | GlobalQSGD(8) round adds (MB) | "
-             "difference, in gradient bytes | goal |", "|---|---|---|---|---|---|"]
+    lines = ["| entry | path | gradient MB | uncompressed round adds (MB) | "
+             "GlobalQSGD(8) round adds (MB) | difference, in gradient bytes | goal |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         path = "fused kernels (CPU)" if r["kernels"] else "torch ops (what CUDA runs)"
         goal = "-" if r["kernels"] else ("met" if r["ratio"] <= GOAL else "not met")
-        lines.append(f"| {LABELS[r['entry']]} | {path} | {r['none'] / 2**20:.0f} | "
+        lines.append(f"| {LABELS[r['entry']]} | {path} | {r['mb']} | {r['none'] / 2**20:.0f} | "
                      f"{r['gqsgd8'] / 2**20:.0f} | {r['ratio']:+.2f}x | {goal} |")
     return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mb", type=int, default=256)
+    parser.add_argument("--mb", default="256", help="gradient sizes in MB, e.g. 64,256")
     parser.add_argument("--entries", default=",".join(ENTRIES))
     parser.add_argument("--paths", default="torch,fused")
     parser.add_argument("--out", default=str(ROOT / "docs" / "MEMORY.md"))
     args = parser.parse_args()
     paths = [p == "fused" for p in args.paths.split(",")]
-    rows = measure(args.mb, args.entries.split(","), paths)
-    lines = [f"`python benchmarks/memory.py`, {time.strftime('%Y-%m-%d')}, "
-             f"{platform.machine()}: a {args.mb} MB fp32 gradient (one `Linear` weight), "
+    sizes = [int(m) for m in args.mb.split(",")]
+    rows = measure(sizes, args.entries.split(","), paths)
+    lines = [f"`python benchmarks/memory.py --mb {args.mb}`, {time.strftime('%Y-%m-%d')}, "
+             f"{platform.machine()}: fp32 gradients of {args.mb} MB (one `Linear` weight), "
              f"2 ranks on one machine, Gloo; goal: at most {GOAL}x on the torch-ops path.",
              "", *table(rows)]
     write_section(Path(args.out), "memory", lines, "# Memory")

@@ -48,21 +48,20 @@ def added_bytes(round_fn) -> int:
     return _status("VmHWM") - before
 
 
-def _rounds(make_round, rounds: int = 3) -> int:
-    """The median added memory of the measured rounds, after two warm-up rounds (pools and
+def _rounds(make_round, rounds: int = 3, warmup: int = 2) -> int:
+    """The median added memory of the measured rounds, after warm-up rounds (pools and
     lazily built state settle there)."""
-    for _ in range(2):
+    for _ in range(warmup):
         make_round()
     return sorted(added_bytes(make_round) for _ in range(rounds))[rounds // 2]
 
 
-def horovod(args, variant: str) -> int:
+def horovod(args, variant: str, mb: int) -> int:
     import horovod.torch as hvd
 
     from hvd_gqsgd import GlobalQSGD
 
-    hvd.init()
-    grad = torch.randn(args.mb * (1 << 18), generator=torch.Generator().manual_seed(hvd.rank()))
+    grad = torch.randn(mb * (1 << 18), generator=torch.Generator().manual_seed(hvd.rank()))
     kwargs = {}
     if variant != "none":
         kwargs["compression"] = GlobalQSGD(bits=8, two_stage=args.entry == "hvd-two-stage")
@@ -74,19 +73,19 @@ def horovod(args, variant: str) -> int:
     return _rounds(one_round)
 
 
-def _linear(args) -> torch.nn.Module:
-    side = int((args.mb * (1 << 18)) ** 0.5)
+def _linear(mb: int) -> torch.nn.Module:
+    side = int((mb * (1 << 18)) ** 0.5)
     torch.manual_seed(0)
     return torch.nn.Linear(side, side, bias=False)
 
 
-def ddp(args, variant: str) -> int:
+def ddp(args, variant: str, mb: int) -> int:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from hvd_gqsgd.ddp import GlobalQSGDState, global_qsgd_hook
 
-    model = DDP(_linear(args))
+    model = DDP(_linear(mb))
     if variant != "none":
         model.register_comm_hook(GlobalQSGDState(bits=8), global_qsgd_hook)
     x = torch.randn(4, model.module.in_features,
@@ -99,14 +98,14 @@ def ddp(args, variant: str) -> int:
     return _rounds(one_round)
 
 
-def fsdp(args, variant: str) -> int:
+def fsdp(args, variant: str, mb: int) -> int:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import hvd_gqsgd.fsdp
 
-    model = _linear(args)
+    model = _linear(mb)
     fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)),
                 reshard_after_forward=False)
     if variant != "none":
@@ -125,24 +124,28 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--entry", choices=("hvd", "hvd-two-stage", "ddp", "fsdp"),
                         required=True)
-    parser.add_argument("--variant", choices=VARIANTS, required=True)
-    parser.add_argument("--mb", type=int, default=256, help="gradient size in MB (fp32)")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--mb", default="256", help="gradient sizes in MB (fp32), e.g. 4,16")
     args = parser.parse_args()
     _LIBC.mallopt(_M_MMAP_THRESHOLD, 128 << 10)  # fixed: glibc otherwise raises it on frees
     torch.set_num_threads(1)
     if args.entry.startswith("hvd"):
-        added = horovod(args, args.variant)
-        rank = int(os.environ.get("HOROVOD_RANK", "0"))
+        import horovod.torch as hvd
+
+        hvd.init()
+        run, rank = horovod, hvd.rank()
     else:
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
-        added = (ddp if args.entry == "ddp" else fsdp)(args, args.variant)
-        rank = dist.get_rank()
-    if rank == 0:
-        print(json.dumps({"entry": args.entry, "variant": args.variant, "mb": args.mb,
-                          "kernels": os.environ.get("HVD_GQSGD_KERNELS", "1") != "0",
-                          "added_bytes": added}), flush=True)
+        run, rank = (ddp if args.entry == "ddp" else fsdp), dist.get_rank()
+    for mb in (int(m) for m in args.mb.split(",")):
+        for variant in args.variants.split(","):
+            added = run(args, variant, mb)
+            if rank == 0:
+                print(json.dumps({"entry": args.entry, "variant": variant, "mb": mb,
+                                  "kernels": os.environ.get("HVD_GQSGD_KERNELS", "1") != "0",
+                                  "added_bytes": added}), flush=True)
 
 
 if __name__ == "__main__":

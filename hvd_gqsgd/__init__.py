@@ -2,8 +2,9 @@
 
 Entry points, all on the same core (:mod:`hvd_gqsgd.core`) and kernels::
 
-    # Horovod, PyTorch or TensorFlow 2 (GlobalQSGD(bits=8, hierarchical=True): multi-GPU nodes;
-    # two_stage=True: reduce-scatter + requantize + allgather, the default below 15 levels)
+    # Horovod, PyTorch or TensorFlow 2 (two_stage=True: reduce-scatter + requantize +
+    # allgather, the default below 15 levels; rotation="hadamard": the default at 4 bits;
+    # hierarchical=True: full precision inside nodes)
     from hvd_gqsgd import GlobalQSGD
     opt = hvd.DistributedOptimizer(opt, compression=GlobalQSGD(bits=8))
 
@@ -15,6 +16,10 @@ Entry points, all on the same core (:mod:`hvd_gqsgd.core`) and kernels::
     # PyTorch DDP, no Horovod
     from hvd_gqsgd.ddp import GlobalQSGDState, global_qsgd_hook
     ddp_model.register_comm_hook(GlobalQSGDState(bits=8), global_qsgd_hook)
+
+    # PyTorch FSDP2 (fully_shard), no Horovod: the gradient reduce-scatter
+    import hvd_gqsgd.fsdp
+    state = hvd_gqsgd.fsdp.register(model, bits=8)
 
     # local SGD with quantized syncs (Horovod + PyTorch)
     from hvd_gqsgd.torch import QPRSGD
@@ -30,4 +35,4 @@ from .core import levels, min_bits
 from .qsgd import QSGDAllgather
 
 __all__ = ["GlobalQSGD", "QSGDAllgather", "levels", "min_bits"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

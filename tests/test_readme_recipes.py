@@ -1,6 +1,6 @@
-"""The README's "Recipes" run as written: each recipe's code block, after the section's setup
-block, as one script on 2 ranks under horovodrun.  A check appended here (not part of the
-README) records the parameters of both ranks and what the recipe promises."""
+"""docs/USAGE.md's "Recipes" run as written: each recipe's code block, after the section's
+setup block, as one script on 2 ranks under horovodrun.  A check appended here (not part of
+the page) records the parameters of both ranks and what the recipe promises."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ with open(f"rank{hvd.rank()}.pkl", "wb") as _f:
 def recipes() -> dict[str, str]:
     """The "Recipes" section's code: ``"setup"`` (its first python block), then each
     ``###`` heading's first python block."""
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "USAGE.md").read_text()
     section = text.split("\n## Recipes", 1)[1].split("\n## ", 1)[0]
     out = {}
     for i, part in enumerate(re.split(r"\n### ", section)):
