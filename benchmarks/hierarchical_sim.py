@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/hierarchical_sim.py          # writes docs/HIERARCHICAL.md + png
 
 A single-process simulation with hvd_gqsgd.core as the oracle (``levels``, ``segments``,
-``multipliers``, ``quantize``, ``step_sizes``, driven by tests/numpy_ops.py), of the relative
+``multipliers``, ``quantize``, ``step_sizes``, driven by gqsgd_lab/numpy_ops.py), of the relative
 error ``||g_hat - g|| / ||g||`` of the averaged gradient ``g`` (the exact mean over ranks):
 
 * **gradients**: the digits MLP of examples/torch_digits.py (64-256-256-10, 85,002 weights)
@@ -36,12 +36,10 @@ import numpy as np
 import torch
 from sklearn.datasets import load_digits
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # numpy_ops: the NumPy TensorOps used as test oracle
-sys.path.insert(0, str(ROOT))
-from numpy_ops import NumpyOps  # noqa: E402
+from gqsgd_lab.numpy_ops import NumpyOps  # the NumPy TensorOps the tests use as oracle
+from hvd_gqsgd import core
 
-from hvd_gqsgd import core  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 OPS = NumpyOps()
 DOC = ROOT / "docs" / "HIERARCHICAL.md"

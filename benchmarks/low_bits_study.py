@@ -16,7 +16,7 @@ one process the way the real allreduce runs them:
 6. the sum is rescaled with ``core.step_sizes``, divided by n and un-rotated once.
 
 The base quantizer is hvd_gqsgd.core's ``levels``, ``multipliers``, ``quantize``, ``pack``,
-``unpack`` and ``step_sizes``, driven by tests/numpy_ops.py.  This file adds only the option
+``unpack`` and ``step_sizes``, driven by gqsgd_lab/numpy_ops.py.  This file adds only the option
 transforms around it:
 
 * ``norm="l2"`` instead of max|x| for the local norm;
@@ -38,7 +38,6 @@ import functools
 import math
 import pickle
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,12 +48,10 @@ import numpy as np
 import torch
 from sklearn.datasets import load_digits
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # numpy_ops: the NumPy TensorOps used as test oracle
-sys.path.insert(0, str(ROOT))
-from numpy_ops import NumpyOps  # noqa: E402
+from gqsgd_lab.numpy_ops import NumpyOps  # the NumPy TensorOps the tests use as oracle
+from hvd_gqsgd import core
 
-from hvd_gqsgd import core  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 OPS = NumpyOps()
 DOC = ROOT / "docs" / "LOW_BITS.md"

@@ -17,8 +17,8 @@ emulated hosts.  Writes its sections of docs/LOW_BITS.md.
   and 4 ranks with flat 4 bits, rotation off and on, and 8 bits with rotation, 3 seeds
   (goal: 4 bits within 2%).
 * **speed**: one ``hvd.allreduce`` of 64 MB on 2 emulated hosts at 1 Gbit/s (root; see
-  emulated_hosts.py), 4 bits with the rotation against 8 bits without, in the same job, and
-  again on unthrottled links (the floor the 2 shared cores set).
+  gqsgd_lab/emulated_hosts.py), 4 bits with the rotation against 8 bits without, in the same
+  job, and again on unthrottled links (the floor the 2 shared cores set).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_common import write_section
+
+from gqsgd_lab.bench_common import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "LOW_BITS.md"
@@ -161,8 +162,9 @@ def train_part(steps: int) -> list[str]:
 
 
 def speed_part(repeats: int) -> list[str]:
-    from emulated_hosts import require_root
     from netbench import run_job
+
+    from gqsgd_lab.emulated_hosts import require_root
 
     require_root()
     names = "none,fp16,gqsgd8norot,gqsgd4rot,gqsgd4norot"

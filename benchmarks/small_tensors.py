@@ -4,7 +4,7 @@ layers) with DistributedOptimizer, GlobalQSGD(bits=8) vs uncompressed, on unthro
     horovodrun --gloo -np 2 -H localhost:2 python benchmarks/small_tensors.py
 
 Prints the median step time of each and their ratio (goal: <= 1.5x), then one JSON line
-per compressor (``--compressors``: names as in benchmarks/bench_common.py, e.g.
+per compressor (``--compressors``: names as in gqsgd_lab/bench_common.py, e.g.
 ``gqsgd8b0k`` for ``bucket_bytes=0``; benchmarks/deep_bench.py reads them).
 
 ``floor`` is not a compressor but the part of a GlobalQSGD step that no local speed-up
@@ -37,8 +37,8 @@ from collections.abc import Callable
 import engine_cpu
 import horovod.torch as hvd
 import torch
-from bench_common import compressor
 
+from gqsgd_lab.bench_common import compressor
 from hvd_gqsgd import core
 from hvd_gqsgd.engine import Engine
 
@@ -121,7 +121,7 @@ def own_cpu(rounds: int = 50) -> tuple[float, float]:
 
 def make_compressor(name: str):
     """``--compressors`` names: ``floor``/``floorfresh``/``floorcpu`` (see the docstring) or
-    a name of benchmarks/bench_common.py."""
+    a name of gqsgd_lab/bench_common.py."""
     if name == "floorcpu":
         return FloorCPU(*own_cpu(), tensors=2 * DEPTH)
     if name.startswith("floor"):

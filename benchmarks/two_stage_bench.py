@@ -23,9 +23,10 @@ import time
 from pathlib import Path
 
 import ddp_bench
-from bench_common import write_section
-from emulated_hosts import EmulatedHosts, require_root
 from netbench import run_job
+
+from gqsgd_lab.bench_common import write_section
+from gqsgd_lab.emulated_hosts import EmulatedHosts, require_root
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "TWO_STAGE.md"

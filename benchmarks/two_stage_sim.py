@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -37,12 +36,11 @@ import numpy as np
 import torch
 from hierarchical_sim import PER_NODE, block_max, fp16_error, gradients, quantized_sum
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench_common import write_section  # noqa: E402
+from gqsgd_lab.bench_common import write_section
+from hvd_gqsgd import core, two_stage
+from hvd_gqsgd.torch_ops import TorchLocal
 
-from hvd_gqsgd import core, two_stage  # noqa: E402
-from hvd_gqsgd.torch_ops import TorchLocal  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 DOC = ROOT / "docs" / "TWO_STAGE.md"
 PLOT = ROOT / "docs" / "two_stage_error.png"

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-from bench_common import write_section  # noqa: E402
+from gqsgd_lab.bench_common import write_section  # noqa: E402
 
 DOC = ROOT / "docs" / "TWO_STAGE.md"
 SECTION = "two_stage_train"

@@ -17,8 +17,7 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from hvd_gqsgd import core  # noqa: E402
+from hvd_gqsgd import core
 
 __all__ = ["BITS", "WORLD_SIZES", "TARGET_LEVELS", "RANKS_PER_NODE", "BEGIN", "END", "render",
            "replace_block", "hierarchical_cell", "two_stage_cell", "error_cell"]
