@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/hierarchical_sim.py          # writes docs/HIERARCHICAL.md + png
 
 A single-process simulation with hvd_gqsgd.core as the oracle (``levels``, ``segments``,
-``multipliers``, ``quantize``, ``step_sizes``, driven by gqsgd_lab/numpy_ops.py), of the relative
-error ``||g_hat - g|| / ||g||`` of the averaged gradient ``g`` (the exact mean over ranks):
+``multipliers``, ``quantize``, ``step_sizes``, driven by gqsgd_lab/numpy_ops.py; the sums are
+gqsgd_lab/simulate.py's), of the relative error ``||g_hat - g|| / ||g||`` of the averaged
+gradient ``g`` (the exact mean over ranks):
 
 * **gradients**: the digits MLP of examples/torch_digits.py (64-256-256-10, 85,002 weights)
   after 2 epochs of SGD on one process, then one gradient per rank on its own random batch
@@ -33,65 +34,16 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
-from sklearn.datasets import load_digits
 
-from gqsgd_lab.numpy_ops import NumpyOps  # the NumPy TensorOps the tests use as oracle
+from gqsgd_lab.simulate import BATCH, OPS, ROWS, block_max, gradients, quantized_sum
 from hvd_gqsgd import core
 
 ROOT = Path(__file__).resolve().parent.parent
-
-OPS = NumpyOps()
 DOC = ROOT / "docs" / "HIERARCHICAL.md"
 PLOT = ROOT / "docs" / "hierarchical_error.png"
 PER_NODE = 8
 NODES = (2, 4, 8, 16, 32, 64, 128)
 BITS = (4, 8, 16)
-BATCH = 32
-ROWS = 64  # ranks quantized at once (bounds the float64 temporaries to ~45 MB each)
-
-
-def gradients(ranks: int, seed: int = 0) -> tuple[np.ndarray, list[int]]:
-    """``ranks`` gradients (float32 rows) of the digits MLP mid-training, one batch each."""
-    digits = load_digits()
-    x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
-    y = torch.tensor(digits.target, dtype=torch.int64)
-    torch.manual_seed(seed)
-    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
-                              torch.nn.Linear(256, 256), torch.nn.ReLU(),
-                              torch.nn.Linear(256, 10))
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(2 * len(x) // 256):  # 2 epochs at batch 256
-        idx = torch.randint(len(x), (256,), generator=gen)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
-        opt.step()
-    numels = [p.numel() for p in net.parameters()]
-    out = np.empty((ranks, sum(numels)), dtype=np.float32)
-    for r in range(ranks):
-        idx = torch.randint(len(x), (BATCH,), generator=gen)
-        net.zero_grad()
-        torch.nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
-        out[r] = torch.cat([p.grad.reshape(-1) for p in net.parameters()]).numpy()
-    return out, numels
-
-
-def block_max(rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """Per scale segment: max |x| over the rows (the MAX allreduce of local norms)."""
-    return np.maximum.reduceat(np.abs(rows), starts, axis=1).max(axis=0).astype(np.float64)
-
-
-def quantized_sum(rows: np.ndarray, scales: np.ndarray, counts: list[int], n_levels: int,
-                  rng: np.random.Generator) -> np.ndarray:
-    """Sum over rows of the rescaled integer codes, with core's rounding (float64)."""
-    mult = np.repeat(core.multipliers(OPS, scales, n_levels), counts)
-    steps = np.repeat(core.step_sizes(OPS, scales, n_levels), counts)
-    codes = np.zeros(rows.shape[1], dtype=np.int64)
-    for lo in range(0, rows.shape[0], ROWS):
-        part = rows[lo:lo + ROWS].astype(np.float64)
-        codes += core.quantize(OPS, part, mult, rng.random(part.shape), n_levels).sum(axis=0)
-    return codes * steps
 
 
 def predicted_error(rows: np.ndarray, scales: np.ndarray, counts: list[int], n_levels: int,

@@ -13,6 +13,8 @@ Modules (import each one directly; this file imports nothing):
     two_stage_oracle  two-stage Global-QSGD simulated in NumPy from the algorithm's statement
     rotation_oracle   the Hadamard rotation written from its definition
     bench_common      benchmark workers' compressor names and arguments; doc sections
+    simulate          one flat or two-stage sum on real gradients, in one process
+    one_rank          GlobalQSGD's engine on one rank without Horovod (its own CPU a round)
 
 How it is found: ``make setup`` (scripts/setup_env.sh) installs the checkout editable, and
 pyproject.toml lists ``gqsgd_lab`` next to ``hvd_gqsgd``, so both import from any folder.
