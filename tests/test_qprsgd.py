@@ -361,7 +361,7 @@ def test_digits_example_runs_a_qprsgd_variant():
 
 
 def test_benchmark_time_to_target_interpolates_and_bounds():
-    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).parent.parent / "studies"))
     import local_sgd
 
     curve = [{"time_s": 0.0, "val_loss": 4.0}, {"time_s": 10.0, "val_loss": 3.0},
@@ -375,7 +375,7 @@ def test_benchmark_time_to_target_interpolates_and_bounds():
 
 
 def _bench():
-    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).parent.parent / "studies"))
     import local_sgd
 
     return local_sgd

@@ -5,8 +5,8 @@ collectives that hand back their input at once (gqsgd_lab/one_rank.py).  So the 
 the engine's and the backend's work alone, which no wire hides on the 300-tensor shape
 (benchmarks/small_tensors.py), without the noise of Horovod's waits.
 
-    python benchmarks/engine_cpu.py
-    PYTHONPATH=/path/to/other/checkout python benchmarks/engine_cpu.py   # another version
+    python studies/engine_cpu.py
+    PYTHONPATH=/path/to/other/checkout python studies/engine_cpu.py   # another version
 
 Two models: 150 ``Linear(32, 32)`` (300 tensors, 1.2 MB, one bucket) and 16
 ``Linear(1024, 1024)`` (32 tensors, 64 MB, 8 MiB buckets).  Prints the median milliseconds

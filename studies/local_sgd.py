@@ -2,7 +2,7 @@
 
 One command, as root (network namespaces), regenerates docs/LOCAL_SGD.md and its plot::
 
-    .venv/bin/python benchmarks/local_sgd.py                 # about an hour on 2 idle cores
+    .venv/bin/python studies/local_sgd.py                 # about an hour on 2 idle cores
 
 It takes /tmp/gqsgd-bench.lock (other benchmarks on the machine wait, and it waits for them),
 starts 4 emulated hosts (gqsgd_lab/emulated_hosts.py) joined by links of ``--rate``, and runs
@@ -672,7 +672,7 @@ def write_doc(same: dict, budget: dict | None, payload: dict, md: Path, png: Pat
         "and 25 minutes on this project's 2-core machine when it is otherwise idle, far "
         "longer under load, then a loss-only job on localhost):",
         "",
-        "    .venv/bin/python benchmarks/local_sgd.py",
+        "    .venv/bin/python studies/local_sgd.py",
         "",
         "(`--from-json` redraws this page from docs/local_sgd*.json.)  " + _setup(payload),
         "",

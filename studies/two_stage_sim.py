@@ -1,8 +1,8 @@
 """Issue 24: error of the averaged gradient against the rank count, flat vs hierarchical vs
 two-stage Global-QSGD, on real gradients, 2 to 1024 ranks, 4 and 8 bits.
 
-    .venv/bin/python benchmarks/two_stage_sim.py     # docs/TWO_STAGE.md (its section),
-                                                      # docs/two_stage_error.png and .json
+    .venv/bin/python studies/two_stage_sim.py     # docs/TWO_STAGE.md (its section),
+                                                   # docs/two_stage_error.png and .json
 
 A single-process simulation:
 
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     write_section(DOC, SECTION, [
         "## Error against rank count",
         "",
-        f"`python benchmarks/two_stage_sim.py` ({seconds:.0f} s; {args.draws} draws, seed "
+        f"`python studies/two_stage_sim.py` ({seconds:.0f} s; {args.draws} draws, seed "
         f"{args.seed}): the relative error of the averaged gradient on real gradients (the "
         "digits MLP, 85,002 weights, one batch of 32 per rank), by a single-process "
         "simulation: flat and hierarchical with the core's rounding, two-stage through the "
