@@ -65,7 +65,7 @@ image-clean:
 			rm --all >/dev/null && rm -rf $(IMAGE_STORE); fi
 
 lint: setup
-	$(VENV)/bin/ruff check hvd_gqsgd tests examples benchmarks scripts
+	$(VENV)/bin/ruff check hvd_gqsgd gqsgd_lab tests examples benchmarks studies scripts
 	$(VENV)/bin/mypy hvd_gqsgd
 
 clean:

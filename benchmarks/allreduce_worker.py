@@ -17,7 +17,8 @@ import time
 import horovod.torch as hvd
 import torch
 import train_worker
-from bench_common import allreduce_args, compressor, hvd_size_from_env
+
+from gqsgd_lab.bench_common import allreduce_args, compressor, hvd_size_from_env
 
 
 def timed(fn, repeats: int, name: str) -> float:

@@ -15,7 +15,8 @@ import time
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
-from bench_common import allreduce_args, compressor, hvd_size_from_env
+
+from gqsgd_lab.bench_common import allreduce_args, compressor, hvd_size_from_env
 
 
 def reducer(x: tf.Tensor, comp, name: str, process_set=None):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "examples"), str(ROOT)]
+sys.path.insert(0, str(ROOT / "examples"))  # the examples' variant specs and tables
 from _common import (  # noqa: E402
     group_runs,
     is_local_sgd,
@@ -154,7 +154,8 @@ def code_version() -> str:
 
 def run_launch(cmd: list[str], log: Path, timeout_s: float) -> float:
     """Run one horovodrun job; echo rank 0's per-run lines, keep everything in ``log``."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+           "PYTHONPATH": str(ROOT)}  # this checkout's hvd_gqsgd, the one code_version names
     start = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -4,8 +4,8 @@ and bf16 compression hooks and PowerSGD, plus the same model under Horovod + Glo
     flock /tmp/gqsgd-bench.lock python benchmarks/ddp_bench.py     # root; ~10 minutes
 
 For each host count (one network namespace per host, links limited with tc, see
-emulated_hosts.py), one mpirun job runs benchmarks/ddp_bench_worker.py --mode ddp over Gloo
-with every hook in turn, and one runs --mode horovod in the same namespaces, so the ratios
+gqsgd_lab/emulated_hosts.py), one mpirun job runs benchmarks/ddp_bench_worker.py --mode ddp over
+Gloo with every hook in turn, and one runs --mode horovod in the same namespaces, so the ratios
 come from one run on one machine.  Writes the table to docs/DDP.md (between the markers, the
 rest of the file is kept) and prints it.  On a shared or small machine the figures move from
 run to run: compare ratios within one table, not across tables.
@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench_common import write_section
-from emulated_hosts import EmulatedHosts, require_root
+from gqsgd_lab.bench_common import write_section
+from gqsgd_lab.emulated_hosts import EmulatedHosts, require_root
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "benchmarks" / "ddp_bench_worker.py"

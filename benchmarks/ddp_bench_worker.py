@@ -137,7 +137,8 @@ def run_ddp(name: str, task: Task, args) -> dict:
 
 def run_horovod(name: str, task: Task, args) -> dict:
     import horovod.torch as hvd
-    from bench_common import compressor
+
+    from gqsgd_lab.bench_common import compressor
 
     net = model(args.width)
     compression = compressor(name.removeprefix("hvd-"), hvd)  # hvd-none, hvd-gqsgd8ts, ...

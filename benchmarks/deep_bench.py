@@ -7,7 +7,7 @@ One run, on an otherwise idle machine, of:
 * benchmarks/deep_worker.py (PyTorch, ``hvd.DistributedOptimizer``) and deep_worker_tf.py
   (TensorFlow, ``DistributedGradientTape`` in ``tf.function``): 16 x ``Linear(1024, 1024)`` +
   Tanh, batch 16, 64 MB of fp32 gradient in 32 tensors, at 2 and 4 hosts (network
-  namespaces, benchmarks/emulated_hosts.py), 1 and 10 Gbit/s; ``none``, ``fp16``,
+  namespaces, gqsgd_lab/emulated_hosts.py), 1 and 10 Gbit/s; ``none``, ``fp16``,
   ``gqsgd8`` (GlobalQSGD(8) with its defaults: 8 MiB buckets sealed from ``compress`` in
   PyTorch) and ``gqsgd8b0k`` (``bucket_bytes=0``: one bucket per step, sealed by the first
   ``decompress``, the behaviour before issue 26); and deep_worker.py again under
@@ -42,12 +42,9 @@ import sys
 import time
 from pathlib import Path
 
-from emulated_hosts import EmulatedHosts, require_root
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_common import write_section  # noqa: E402
-
-from hvd_gqsgd import core  # noqa: E402
+from gqsgd_lab.bench_common import write_section
+from gqsgd_lab.emulated_hosts import EmulatedHosts, require_root
+from hvd_gqsgd import core
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "BENCHMARKS.md"

@@ -23,7 +23,8 @@ import time
 
 import horovod.torch as hvd
 import torch
-from bench_common import compressor, cpu_split, deep_args, thread_cpu_s
+
+from gqsgd_lab.bench_common import compressor, cpu_split, deep_args, thread_cpu_s
 
 
 def model(width: int, depth: int) -> torch.nn.Module:

@@ -19,7 +19,8 @@ import time
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
-from bench_common import compressor, deep_args
+
+from gqsgd_lab.bench_common import compressor, deep_args
 
 
 def layers(width: int, depth: int) -> list[tf.Variable]:

@@ -4,8 +4,8 @@ reduce-scatters, in one run, with the byte ceiling beside each ratio.
     flock /tmp/gqsgd-bench.lock python benchmarks/fsdp_bench.py     # root; ~15 minutes
 
 For each host count (one network namespace per host, links limited with tc, see
-emulated_hosts.py) one mpirun job runs benchmarks/fsdp_bench_worker.py with every variant in
-turn, then the same job on unthrottled links: the step's floor on this machine (compute plus
+gqsgd_lab/emulated_hosts.py) one mpirun job runs benchmarks/fsdp_bench_worker.py with every variant
+in turn, then the same job on unthrottled links: the step's floor on this machine (compute plus
 local work; the emulated hosts share 2 cores).  Writes the tables to docs/FSDP.md (between
 the markers; the rest of the file is kept) and prints them.
 
@@ -23,8 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench_common import write_section
-from emulated_hosts import EmulatedHosts, require_root
+from gqsgd_lab.bench_common import write_section
+from gqsgd_lab.emulated_hosts import EmulatedHosts, require_root
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "benchmarks" / "fsdp_bench_worker.py"

@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_common import write_section
+
+from gqsgd_lab.bench_common import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "fsdp_lm.py"

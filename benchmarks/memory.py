@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_common import write_section
+from gqsgd_lab.bench_common import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "benchmarks" / "memory_worker.py"

@@ -34,12 +34,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from emulated_hosts import EmulatedHosts, require_root
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_common import GQSGD_NAME, TWO_STAGE  # noqa: E402
-
-from hvd_gqsgd import core  # noqa: E402
+from gqsgd_lab.bench_common import GQSGD_NAME, TWO_STAGE
+from gqsgd_lab.emulated_hosts import EmulatedHosts, require_root
+from hvd_gqsgd import core
 
 ROOT = Path(__file__).resolve().parent.parent
 RATES = {"1gbit": 1e9, "10gbit": 1e10}

@@ -5,20 +5,20 @@ emulated hosts.  Writes its sections of docs/LOW_BITS.md.
     python benchmarks/rotation.py                 # all three; about 40 minutes
     python benchmarks/rotation.py --parts error   # error, train and/or speed
 
-* **error**: a single-process simulation with the library's own steps: the digits MLP's
-  gradients mid-training (benchmarks/hierarchical_sim.py), one per rank; flat (the core's
-  rounding, hierarchical_sim.quantized_sum) and two-stage (two_stage_sim.two_stage_sum, the
-  torch backend's kernels), each on the gradients as they are and rotated by
-  kernels.rotate_norms with a shared key, the sum rotated back with kernels.unrotate; the
-  relative error ``||g_hat - g|| / ||g||`` averaged over draws.
+* **error**: a single-process simulation with the library's own steps (gqsgd_lab/simulate.py,
+  as the flat, hierarchical and two-stage studies use): the digits MLP's gradients
+  mid-training, one per rank; flat (the core's rounding, simulate.quantized_sum) and
+  two-stage (simulate.two_stage_sum, the torch backend's kernels), each on the gradients as
+  they are and rotated by kernels.rotate_norms with a shared key, the sum rotated back with
+  kernels.unrotate; the relative error ``||g_hat - g|| / ||g||`` averaged over draws.
 * **train**: examples/char_lm.py (the 2-layer character LSTM on Python's help topics) under
   horovodrun on this machine: 16 ranks with two-stage 4 and 8 bits, rotation off and on,
   against fp32 (goals: 4 bits with rotation within 2%, 8 bits with rotation within 1%); 2
   and 4 ranks with flat 4 bits, rotation off and on, and 8 bits with rotation, 3 seeds
   (goal: 4 bits within 2%).
 * **speed**: one ``hvd.allreduce`` of 64 MB on 2 emulated hosts at 1 Gbit/s (root; see
-  emulated_hosts.py), 4 bits with the rotation against 8 bits without, in the same job, and
-  again on unthrottled links (the floor the 2 shared cores set).
+  gqsgd_lab/emulated_hosts.py), 4 bits with the rotation against 8 bits without, in the same
+  job, and again on unthrottled links (the floor the 2 shared cores set).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_common import write_section
+
+from gqsgd_lab.bench_common import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "LOW_BITS.md"
@@ -59,15 +60,13 @@ def rotated_sum(rows: np.ndarray, sum_fn, key: int, numels: list[int]) -> np.nda
 def _flat_sum(x: np.ndarray, counts: list[int], starts: np.ndarray, level: int,
               rng: np.random.Generator) -> np.ndarray:
     """Flat Global-QSGD's sum of the rows ``x`` against their own block scales."""
-    from hierarchical_sim import block_max, quantized_sum
+    from gqsgd_lab.simulate import block_max, quantized_sum
 
     return quantized_sum(x, block_max(x, starts), counts, level, rng)
 
 
 def error_part(draws: int) -> list[str]:
-    from hierarchical_sim import gradients
-    from two_stage_sim import two_stage_sum
-
+    from gqsgd_lab.simulate import gradients, two_stage_sum
     from hvd_gqsgd import core
 
     grads, numels = gradients(max(RANKS))
@@ -161,8 +160,9 @@ def train_part(steps: int) -> list[str]:
 
 
 def speed_part(repeats: int) -> list[str]:
-    from emulated_hosts import require_root
     from netbench import run_job
+
+    from gqsgd_lab.emulated_hosts import require_root
 
     require_root()
     names = "none,fp16,gqsgd8norot,gqsgd4rot,gqsgd4norot"

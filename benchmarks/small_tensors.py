@@ -4,7 +4,7 @@ layers) with DistributedOptimizer, GlobalQSGD(bits=8) vs uncompressed, on unthro
     horovodrun --gloo -np 2 -H localhost:2 python benchmarks/small_tensors.py
 
 Prints the median step time of each and their ratio (goal: <= 1.5x), then one JSON line
-per compressor (``--compressors``: names as in benchmarks/bench_common.py, e.g.
+per compressor (``--compressors``: names as in gqsgd_lab/bench_common.py, e.g.
 ``gqsgd8b0k`` for ``bucket_bytes=0``; benchmarks/deep_bench.py reads them).
 
 ``floor`` is not a compressor but the part of a GlobalQSGD step that no local speed-up
@@ -17,7 +17,7 @@ quantized and the gradients stay local.  GlobalQSGD's own work is the gap betwee
 instead, which is what GlobalQSGD did before.
 
 ``floorcpu`` is ``floor`` plus busy work as long as GlobalQSGD's own CPU a round, measured
-in the same process beforehand without Horovod (benchmarks/engine_cpu.py's one-rank engine
+in the same process beforehand without Horovod (gqsgd_lab/one_rank.py's one-rank engine
 on this model's gradients; printed): its ``compress`` share spread over the ``compress``
 calls, its ``decompress`` share at the first ``decompress``, before the exchanges.  Where
 ``gqsgd8`` lands on ``floorcpu``, its step is Horovod's part plus its own measured CPU, as
@@ -30,17 +30,20 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
 
-import engine_cpu
-import horovod.torch as hvd
-import torch
-from bench_common import compressor
+os.environ.setdefault("NUMBA_NUM_THREADS", "1")  # one thread, as with 2 ranks on 2 cores
 
-from hvd_gqsgd import core
-from hvd_gqsgd.engine import Engine
+import horovod.torch as hvd  # noqa: E402
+import torch  # noqa: E402
+
+from gqsgd_lab import one_rank  # noqa: E402
+from gqsgd_lab.bench_common import compressor  # noqa: E402
+from hvd_gqsgd import core  # noqa: E402
+from hvd_gqsgd.engine import Engine  # noqa: E402
 
 WIDTH, DEPTH = 32, 150  # the model: DEPTH Linear(WIDTH, WIDTH) layers
 
@@ -108,20 +111,20 @@ def _busy(seconds: float) -> None:
 @functools.cache
 def own_cpu(rounds: int = 50) -> tuple[float, float]:
     """GlobalQSGD(8)'s own CPU a round on this model's gradients, without Horovod (one-rank
-    engine, benchmarks/engine_cpu.py): median seconds in its compress calls and in its
+    engine, gqsgd_lab/one_rank.py): median seconds in its compress calls and in its
     decompress calls."""
-    engine = Engine(engine_cpu.Local(seed=0), core.Settings(bits=8), None, uid=0)
-    grads = engine_cpu.gradients(WIDTH, DEPTH)
+    engine = Engine(one_rank.Local(seed=0), core.Settings(bits=8), None, uid=0)
+    grads = one_rank.gradients(WIDTH, DEPTH)
     for _ in range(5):  # compile the kernels, fill the caches
-        engine_cpu.split_round(engine, grads)
-    compress_s, decompress_s = zip(*(engine_cpu.split_round(engine, grads)
+        one_rank.split_round(engine, grads)
+    compress_s, decompress_s = zip(*(one_rank.split_round(engine, grads)
                                      for _ in range(rounds)))
     return statistics.median(compress_s), statistics.median(decompress_s)
 
 
 def make_compressor(name: str):
     """``--compressors`` names: ``floor``/``floorfresh``/``floorcpu`` (see the docstring) or
-    a name of benchmarks/bench_common.py."""
+    a name of gqsgd_lab/bench_common.py."""
     if name == "floorcpu":
         return FloorCPU(*own_cpu(), tensors=2 * DEPTH)
     if name.startswith("floor"):

@@ -16,7 +16,8 @@ import time
 
 import horovod.torch as hvd
 import torch
-from bench_common import compressor, train_args
+
+from gqsgd_lab.bench_common import compressor, train_args
 
 
 def model(width: int) -> torch.nn.Module:

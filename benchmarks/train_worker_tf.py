@@ -15,7 +15,8 @@ import time
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
-from bench_common import compressor, train_args
+
+from gqsgd_lab.bench_common import compressor, train_args
 
 
 def mlp(width: int) -> list[tf.Variable]:

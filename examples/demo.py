@@ -9,7 +9,7 @@ buys on a real link, in the same table.
 2. A step time on a link that is not free, for one training step of
    benchmarks/train_worker.py (an MLP with a 64 MB fp32 gradient, batch 32 per rank):
 
-   * ``emulated`` (root, network namespaces and tc: benchmarks/emulated_hosts.py): measured
+   * ``emulated`` (root, network namespaces and tc: gqsgd_lab/emulated_hosts.py): measured
      on 2 emulated hosts whose links are limited to 1 Gbit/s, as ``make bench`` does;
    * ``predicted`` (anyone): predicted for 2 hosts at 1 and 10 Gbit/s by the performance
      model of benchmarks/netbench.py, from costs measured here on loopback
@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]  # this checkout's hvd_gqsgd, as the jobs
-from emulated_hosts import EmulatedHosts  # noqa: E402
+sys.path.insert(0, str(ROOT / "benchmarks"))  # netbench.py's performance model
+from gqsgd_lab.emulated_hosts import EmulatedHosts  # noqa: E402
 
 BIN = Path(sys.executable).parent
 WIDTH = 2048  # train_worker.py's default: 2 x 2048 x 4096 weights, 64 MB of fp32 gradient
@@ -139,7 +139,7 @@ def footer(runs: list[dict], steps: dict[str, dict[str, float]], predicted: bool
                      "make demo measures it on emulated hosts.")
     else:
         lines.append(f"1G step: {what}, measured on 2 emulated hosts with 1 Gbit/s links "
-                     "(network namespaces + tc, benchmarks/emulated_hosts.py).")
+                     "(network namespaces + tc, gqsgd_lab/emulated_hosts.py).")
     for run in runs:
         if base is None or run is base or worker_name(run["spec"]) is None:
             continue

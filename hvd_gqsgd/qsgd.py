@@ -23,6 +23,10 @@ from .compressor import GlobalQSGD, instance_hook
 
 __all__ = ["QSGDAllgather"]
 
+# GlobalQSGD's arguments that have no meaning for one whole-tensor scale per rank
+_GLOBAL_ONLY = ("norm", "bucket_bytes", "chunk_bytes", "scale_block", "hierarchical",
+                "two_stage", "rotation")
+
 
 @dataclass(eq=False)
 class _Pending:
@@ -35,12 +39,37 @@ class _Pending:
 
 class QSGDAllgather(GlobalQSGD):
     """Per-rank-scale QSGD over an allgather (COLLECTIVE in ``compress``: two allgathers per
-    tensor, started there and waited for in ``decompress``).  Same arguments, op handling
-    (the probe) and bad-input behaviour as :class:`GlobalQSGD`; ``bucket_bytes``,
-    ``chunk_bytes``, ``scale_block`` and ``norm`` are not used (one local max |x| per
-    tensor)."""
+    tensor, started there and waited for in ``decompress``).
+
+    Each tensor is quantized whole against its own max |x| on this rank, so only ``bits``,
+    ``seed`` and ``process_set`` mean anything here; GlobalQSGD's other arguments (buckets,
+    chunks, scale blocks, the norm, hierarchical, two-stage, the rotation) are refused with a
+    ``TypeError`` rather than silently ignored.  Op handling (the probe), the class-passed-as-
+    compressor refusal and bad-input behaviour are :class:`GlobalQSGD`'s.
+
+    Args:
+        bits: code width, 2..16; ``L = 2**(bits-1) - 1`` levels per sign at any rank count.
+        seed: ``None`` (default) seeds each rank's rounding noise from the OS; an int makes
+            runs reproducible.
+        process_set: Horovod process set of the two allgathers; must be the set the
+            optimizer or ``hvd.allreduce`` reduces over (default: global).
+    """
 
     _serial = itertools.count()
+
+    def __init__(self, bits: int = 8, *, seed: int | None = None, process_set: Any = None,
+                 **refused: Any) -> None:
+        for name in refused:
+            if name in _GLOBAL_ONLY:
+                raise TypeError(
+                    f"QSGDAllgather(..., {name}=...): QSGDAllgather ignores {name}, as it "
+                    "quantizes each tensor whole against its own max |x|; drop the argument, "
+                    f"or use GlobalQSGD({name}=...) for it")
+            raise TypeError(f"QSGDAllgather() got an unexpected keyword argument {name!r}")
+        super().__init__(bits=bits, seed=seed, process_set=process_set)
+
+    def __repr__(self) -> str:
+        return f"QSGDAllgather(bits={self.settings.bits}, seed={self.settings.seed!r})"
 
     @instance_hook
     def compress(self, tensor: Any) -> tuple[Any, Any]:

@@ -5,7 +5,7 @@
 
 Every number comes from :mod:`hvd_gqsgd.core` (``levels``, ``min_bits``, ``wire_bytes``,
 ``two_stage_plan``), so the docs cannot drift from the formula, except the error column,
-which it reads from docs/two_stage_error.json (``benchmarks/two_stage_sim.py`` writes it);
+which it reads from docs/two_stage_error.json (``studies/two_stage_sim.py`` writes it);
 tests/test_docs.py checks that the block in the doc equals this script's output.
 """
 
@@ -17,8 +17,7 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from hvd_gqsgd import core  # noqa: E402
+from hvd_gqsgd import core
 
 __all__ = ["BITS", "WORLD_SIZES", "TARGET_LEVELS", "RANKS_PER_NODE", "BEGIN", "END", "render",
            "replace_block", "hierarchical_cell", "two_stage_cell", "error_cell"]
@@ -87,7 +86,7 @@ def two_stage_cell(n: int, bits: int = ERROR_BITS) -> str:
 
 def error_cell(n: int, errors: dict) -> str:
     """Relative error of the averaged gradient at ERROR_BITS, flat / two-stage, from
-    benchmarks/two_stage_sim.py's last run (docs/two_stage_error.json)."""
+    studies/two_stage_sim.py's last run (docs/two_stage_error.json)."""
     row = errors.get(n)
     if row is None:
         return "not simulated"
@@ -132,7 +131,7 @@ def render() -> str:
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines += ["", "The error column is the relative error of the averaged gradient, "
               "`||g_hat - g|| / ||g||`, on real gradients (the digits MLP), from "
-              "`python benchmarks/two_stage_sim.py` (docs/TWO_STAGE.md); the other columns "
+              "`python studies/two_stage_sim.py` (docs/TWO_STAGE.md); the other columns "
               "come from the formulas alone."]
     return "\n".join(lines)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from numpy_ops import NumpyOps
 
+from gqsgd_lab.numpy_ops import NumpyOps
 from hvd_gqsgd import core
 
 NP = NumpyOps()

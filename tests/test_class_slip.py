@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from launch import BIN, TIMEOUT_S
 
+from gqsgd_lab.launch import BIN, TIMEOUT_S
 from hvd_gqsgd import GlobalQSGD, QSGDAllgather
 from hvd_gqsgd.compressor import refuse_class
 

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch import BIN, TIMEOUT_S
+
+from gqsgd_lab.launch import BIN, TIMEOUT_S
 
 ROOT = Path(__file__).parent.parent
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks")]

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from numpy_ops import NumpyOps
 
+from gqsgd_lab.numpy_ops import NumpyOps
 from hvd_gqsgd import core
 
 OPS = NumpyOps()

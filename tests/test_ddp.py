@@ -23,7 +23,6 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-import launch  # noqa: E402
 from ddp_inputs import (  # noqa: E402
     BLOCK,
     CHUNK_BYTES,
@@ -34,6 +33,7 @@ from ddp_inputs import (  # noqa: E402
     random_inputs,
 )
 
+from gqsgd_lab import launch  # noqa: E402
 from hvd_gqsgd import core, kernels  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
@@ -414,7 +414,7 @@ def test_two_stage_hook_replays_the_oracle(name, tmp_path_factory):
     """Every bucket of three steps, fp32 and fp16 buffers, 8 and 4 bits: the result equals
     the two-stage oracle's bit for bit (same noise keys; the torch-ops path draws the
     kernels' noise too), on every rank."""
-    from two_stage_oracle import across, segment_ids
+    from gqsgd_lab.two_stage_oracle import across, segment_ids
 
     ranks = _ranks(name, tmp_path_factory)
     n = len(ranks)
@@ -452,10 +452,10 @@ def test_two_stage_hook_replays_the_oracle(name, tmp_path_factory):
 def _flat_rotated(xs: list[np.ndarray], numels: list[int], serial: int, key: int
                   ) -> np.ndarray:
     """Flat 4-bit Global-QSGD of one bucket with the rotation, as the DDP hook computes it:
-    every rank's bucket rotated (tests/rotation_oracle.py), block scales of the rotated
+    every rank's bucket rotated (gqsgd_lab/rotation_oracle.py), block scales of the rotated
     data, the kernels' noise of key ``serial``, the average (lane sum times float32(s/L/n)),
     rotated back."""
-    from rotation_oracle import forward, inverse
+    from gqsgd_lab.rotation_oracle import forward, inverse
 
     n = len(xs)
     counts, _ = core.segments(numels, BLOCK)
@@ -477,10 +477,10 @@ def _flat_rotated(xs: list[np.ndarray], numels: list[int], serial: int, key: int
 
 
 def _two_stage_rotated(xs, numels, first: int, second: int, key: int) -> np.ndarray:
-    """Two-stage 4-bit Global-QSGD of one bucket with the rotation (tests/two_stage_oracle.py
+    """Two-stage 4-bit Global-QSGD of one bucket with the rotation (gqsgd_lab/two_stage_oracle.py
     on the rotated buckets, the average, rotated back)."""
-    from rotation_oracle import forward, inverse
-    from two_stage_oracle import across, segment_ids
+    from gqsgd_lab.rotation_oracle import forward, inverse
+    from gqsgd_lab.two_stage_oracle import across, segment_ids
 
     n = len(xs)
     counts, _ = core.segments(numels, BLOCK)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from launch import TIMEOUT_S
+
+from gqsgd_lab.launch import TIMEOUT_S
 
 ROOT = Path(__file__).parent.parent
 STEPS = 4  # 256 samples, batch 32, 2 ranks

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-import bench_common  # noqa: E402
 import deep_bench  # noqa: E402
+
+from gqsgd_lab import bench_common  # noqa: E402
 
 
 def _row(name: str, median_s: float, main: float | None = None, other: float = 0.0,
@@ -130,7 +131,7 @@ print("RESULT", hvd.rank(), socket.gethostbyname(socket.gethostname()), float(to
 
 
 def test_horovodrun_runs_gloo_across_the_emulated_hosts(tmp_path) -> None:
-    from emulated_hosts import EmulatedHosts
+    from gqsgd_lab.emulated_hosts import EmulatedHosts
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     with EmulatedHosts(2, rate="1gbit") as net:

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch import TIMEOUT_S
+
+from gqsgd_lab.launch import TIMEOUT_S
 
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
@@ -66,7 +67,8 @@ def test_auto_without_root_says_why_and_predicts(monkeypatch, capsys):
 
 @pytest.mark.multiproc
 def test_demo_without_emulated_hosts_prints_predicted_step_times():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+           "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "demo.py"), "--link",
                            "predicted", "--epochs", "2"], env=env, capture_output=True,
                           text=True, timeout=TIMEOUT_S)

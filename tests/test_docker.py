@@ -174,6 +174,7 @@ def test_copied_files_build_the_package(dockerfile, tmp_path):
     (wheel,) = (tmp_path / "wheels").glob("hvd_gqsgd-*.whl")
     packaged = {n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("hvd_gqsgd/")}
     expected = {f"hvd_gqsgd/{p.name}" for p in (ROOT / "hvd_gqsgd").glob("*.py")}
+    expected.add("hvd_gqsgd/py.typed")  # PEP 561 marker: package-data, not a module
     assert expected <= packaged, expected - packaged
     assert (ctx / cmd_script(dockerfile)).is_file(), "the CMD script is not copied into the image"
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -57,8 +58,9 @@ def test_doc_names_the_regenerating_command():
 
 
 def test_script_without_arguments_prints_the_block():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's hvd_gqsgd, as in-process
     out = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True,
-                         check=True, cwd=ROOT).stdout
+                         check=True, cwd=ROOT, env=env).stdout
     assert out.rstrip("\n") == _doc_block()
 
 
@@ -224,7 +226,7 @@ def test_path_extraction_would_catch_a_typo():
 
 def test_every_repo_path_in_the_doc_exists():
     paths = _repo_paths(DOC.read_text(encoding="utf-8"))
-    assert {"benchmarks/emulated_hosts.py", "tests/test_multiproc.py",
+    assert {"gqsgd_lab/emulated_hosts.py", "tests/test_multiproc.py",
             "scripts/setup_env.sh"} <= paths  # the extraction itself still finds paths
     missing = sorted(p for p in paths if not (ROOT / p).exists())
     assert not missing, f"docs/MULTINODE.md names paths that do not exist: {missing}"

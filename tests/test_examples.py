@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import BIN, TIMEOUT_S
+
+from gqsgd_lab.launch import BIN, TIMEOUT_S
 
 ROOT = Path(__file__).parent.parent
 

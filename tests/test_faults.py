@@ -19,8 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from inputs import grid_input
-from launch import BIN, WORKERS, command
+
+from gqsgd_lab.inputs import grid_input
+from gqsgd_lab.launch import BIN, WORKERS, command
 
 pytestmark = pytest.mark.multiproc
 

@@ -3,7 +3,7 @@ collectives under torchrun: 2, 3 and 4 ranks, 8 ranks oversubscribed, and the to
 (the one CUDA tensors take) with the numba kernels switched off.
 
 Each configuration launches tests/workers/fsdp_checks.py once; every test compares what the
-ranks recorded with tests/two_stage_oracle.py (stage_one_rows, a NumPy simulation written
+ranks recorded with gqsgd_lab/two_stage_oracle.py (stage_one_rows, a NumPy simulation written
 from the algorithm's statement) or with expectations computed here from the inputs.
 Quantized results match bit for bit; only statistics get a tolerance.
 """
@@ -32,8 +32,8 @@ from fsdp_inputs import (  # noqa: E402
     params_input,
     random_rows,
 )
-from two_stage_oracle import lane_width, stage_levels, stage_one_rows  # noqa: E402
 
+from gqsgd_lab.two_stage_oracle import lane_width, stage_levels, stage_one_rows  # noqa: E402
 from hvd_gqsgd import core  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
@@ -148,8 +148,7 @@ def test_rotated_rows_replay_the_oracle_bit_for_bit(name, tmp_path_factory):
     """rotation="hadamard": every rank rotates its whole input (blocks of 1024 in each row,
     signs keyed by the call count), the oracle sums the rotated rows, and each rank rotates
     its decoded row back (its blocks start at input element rank * shard): bit for bit."""
-    from rotation_oracle import forward, inverse
-
+    from gqsgd_lab.rotation_oracle import forward, inverse
     from hvd_gqsgd import core
 
     ranks = _ranks(name, tmp_path_factory)

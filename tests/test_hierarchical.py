@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from launch import BIN, TIMEOUT_S
 
+from gqsgd_lab.launch import BIN, TIMEOUT_S
 from hvd_gqsgd import core, hierarchical
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
@@ -466,7 +466,7 @@ def test_two_stage_across_nodes_replays_the_oracle(ranks22):
     """hierarchical=True with two_stage=True: node sums in float64, each node shard summed
     across the nodes in wide lanes, requantized and gathered; equal to the oracle's bit for
     bit (the fused path's noise keys are each rank's serials 1 and 2), on every rank."""
-    from two_stage_oracle import simulate_hierarchical
+    from gqsgd_lab.two_stage_oracle import simulate_hierarchical
 
     nodes, local, world = _shape(ranks22)
     rank_of = {(c, j): r for r, (c, j) in enumerate(_node_of(ranks22))}

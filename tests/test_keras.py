@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from launch import launch
+
+from gqsgd_lab.launch import launch
 
 pytestmark = pytest.mark.multiproc
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from launch import BIN, TIMEOUT_S, launch
+
+from gqsgd_lab.launch import BIN, TIMEOUT_S, launch
 
 pytestmark = pytest.mark.multiproc
 

@@ -11,8 +11,8 @@ import warnings
 import numba
 import numpy as np
 import pytest
-from numpy_ops import NumpyOps
 
+from gqsgd_lab.numpy_ops import NumpyOps
 from hvd_gqsgd import core, kernels
 
 OPS = NumpyOps()

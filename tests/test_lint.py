@@ -9,8 +9,8 @@ BIN = Path(sys.executable).parent
 
 
 def test_ruff_clean():
-    subprocess.run([str(BIN / "ruff"), "check", "hvd_gqsgd", "tests", "examples",
-                    "benchmarks", "scripts"], cwd=ROOT,
+    subprocess.run([str(BIN / "ruff"), "check", "hvd_gqsgd", "gqsgd_lab", "tests", "examples",
+                    "benchmarks", "studies", "scripts"], cwd=ROOT,
                    check=True)
 
 

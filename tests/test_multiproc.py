@@ -12,7 +12,8 @@ import math
 
 import numpy as np
 import pytest
-from inputs import (
+
+from gqsgd_lab.inputs import (
     GRID_CASES,
     GRID_EXPONENT,
     block_grid_input,
@@ -20,8 +21,7 @@ from inputs import (
     random_input,
     training_data,
 )
-from launch import launch
-
+from gqsgd_lab.launch import launch
 from hvd_gqsgd import core
 
 pytestmark = pytest.mark.multiproc

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from launch import launch
+
+from gqsgd_lab.launch import launch
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import qprsgd_data as data  # noqa: E402
@@ -340,7 +341,7 @@ def test_digits_example_runs_a_qprsgd_variant():
     import re
     import subprocess
 
-    from launch import BIN, TIMEOUT_S
+    from gqsgd_lab.launch import BIN, TIMEOUT_S
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
     cmd = [str(BIN / "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable,
@@ -360,7 +361,7 @@ def test_digits_example_runs_a_qprsgd_variant():
 
 
 def test_benchmark_time_to_target_interpolates_and_bounds():
-    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).parent.parent / "studies"))
     import local_sgd
 
     curve = [{"time_s": 0.0, "val_loss": 4.0}, {"time_s": 10.0, "val_loss": 3.0},
@@ -374,7 +375,7 @@ def test_benchmark_time_to_target_interpolates_and_bounds():
 
 
 def _bench():
-    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).parent.parent / "studies"))
     import local_sgd
 
     return local_sgd

@@ -1,5 +1,5 @@
-"""The README's Layout section names every module, example, benchmark script and docs page
-the repository has, and nothing it lacks."""
+"""The README's Layout section names every module (the library's and gqsgd_lab's), example,
+benchmark script, study and docs page the repository has, and nothing it lacks."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def test_layout_expansion():
 
 def test_layout_names_every_module_example_benchmark_and_page():
     have = {str(p.relative_to(ROOT)) for pattern in (
-        "hvd_gqsgd/*.py", "examples/*.py", "benchmarks/*.py", "scripts/*", "docs/*.md")
+        "hvd_gqsgd/*.py", "gqsgd_lab/*.py", "examples/*.py", "benchmarks/*.py", "studies/*",
+        "scripts/*", "docs/*.md")
         for p in ROOT.glob(pattern)}
     listed = layout_paths()
     assert not have - listed, f"missing from the README's Layout: {sorted(have - listed)}"

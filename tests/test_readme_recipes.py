@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from launch import BIN, TIMEOUT_S
+
+from gqsgd_lab.launch import BIN, TIMEOUT_S
 
 ROOT = Path(__file__).parent.parent
 

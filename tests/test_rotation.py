@@ -1,5 +1,5 @@
 """Single-process tests of the shared-seed Hadamard rotation: the definition (core's module
-docstring, "Rotation") through tests/rotation_oracle.py, against the fused kernels and the
+docstring, "Rotation") through gqsgd_lab/rotation_oracle.py, against the fused kernels and the
 generic path on NumPy, torch and TensorFlow, bit for bit; and the settings around it."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import sys
 import numba
 import numpy as np
 import pytest
-import rotation_oracle as oracle
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from numpy_ops import NumpyOps
 
+from gqsgd_lab import rotation_oracle as oracle
+from gqsgd_lab.numpy_ops import NumpyOps
 from hvd_gqsgd import core, kernels
 
 NP = NumpyOps()

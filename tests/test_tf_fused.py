@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
-from numpy_ops import NumpyOps
 
+from gqsgd_lab.numpy_ops import NumpyOps
 from hvd_gqsgd import core, kernels
 
 NP = NumpyOps()

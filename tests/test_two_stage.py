@@ -1,6 +1,6 @@
 """Single-process: two-stage Global-QSGD's core functions (lane width, levels, plan, message
 layout) against their definitions, and every backend's local steps, with the collectives
-simulated by NumPy sums and concatenations, against tests/two_stage_oracle.py bit for bit.
+simulated by NumPy sums and concatenations, against gqsgd_lab/two_stage_oracle.py bit for bit.
 Real collectives: tests/test_two_stage_multiproc.py."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from inputs import TWO_STAGE_NUMELS, TWO_STAGE_SEED, two_stage_input
-from two_stage_oracle import lane_width, predicted_variance, simulate, stage_levels
 
+from gqsgd_lab.inputs import TWO_STAGE_NUMELS, TWO_STAGE_SEED, two_stage_input
+from gqsgd_lab.two_stage_oracle import lane_width, predicted_variance, simulate, stage_levels
 from hvd_gqsgd import core, kernels, two_stage
 
 NUMELS, SEED = TWO_STAGE_NUMELS, TWO_STAGE_SEED
@@ -335,7 +335,7 @@ def test_error_below_flat_by_the_predicted_factor(n):
 def _flat(xs, bits, seed):
     """Flat Global-QSGD's sum with the kernels' rounding (the flat path is tested elsewhere
     against its own oracle; here it is the baseline)."""
-    from numpy_ops import NumpyOps
+    from gqsgd_lab.numpy_ops import NumpyOps
 
     ops, n = NumpyOps(), len(xs)
     counts, _ = core.segments(NUMELS, 1024)

@@ -1,5 +1,5 @@
 """Two-stage GlobalQSGD through real Horovod collectives (reduce-scatter and allgather),
-PyTorch and TensorFlow, 2, 3, 4 and 8 ranks, Gloo and MPI, against tests/two_stage_oracle.py.
+PyTorch and TensorFlow, 2, 3, 4 and 8 ranks, Gloo and MPI, against gqsgd_lab/two_stage_oracle.py.
 
 Each configuration runs tests/workers/two_stage_checks.py once.  The fused (CPU) path draws
 its rounding noise from a counter-based stream that the oracle replays, so its results must
@@ -14,11 +14,11 @@ import pickle
 
 import numpy as np
 import pytest
-from inputs import TWO_STAGE_NUMELS, TWO_STAGE_SEED, two_stage_input
-from launch import run
-from rotation_oracle import forward, inverse
-from two_stage_oracle import predicted_variance, segment_ids, simulate, stage_levels
 
+from gqsgd_lab.inputs import TWO_STAGE_NUMELS, TWO_STAGE_SEED, two_stage_input
+from gqsgd_lab.launch import run
+from gqsgd_lab.rotation_oracle import forward, inverse
+from gqsgd_lab.two_stage_oracle import predicted_variance, segment_ids, simulate, stage_levels
 from hvd_gqsgd import core, kernels
 
 pytestmark = pytest.mark.multiproc

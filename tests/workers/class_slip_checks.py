@@ -15,9 +15,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from hvd_gqsgd import GlobalQSGD, QSGDAllgather  # noqa: E402
+from hvd_gqsgd import GlobalQSGD, QSGDAllgather
 
 
 def attempt(steps: Iterator[str]) -> dict:

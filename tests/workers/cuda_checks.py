@@ -38,10 +38,9 @@ from cuda_inputs import (
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, str(Path(__file__).parent.parent.parent))
-from hvd_gqsgd import core  # noqa: E402
-from hvd_gqsgd.ddp import GlobalQSGDState, global_qsgd_hook  # noqa: E402
-from hvd_gqsgd.fsdp import FSDPState, GlobalQSGDReduceScatter, register  # noqa: E402
+from hvd_gqsgd import core
+from hvd_gqsgd.ddp import GlobalQSGDState, global_qsgd_hook
+from hvd_gqsgd.fsdp import FSDPState, GlobalQSGDReduceScatter, register
 
 BENCH_RUNS = 5  # timed backward passes per variant, after one warm-up
 

@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 from cuda_inputs import DTYPES, device_kind, host, inputs, tensor
 
-sys.path.insert(0, str(Path(__file__).parent.parent.parent))
-from hvd_gqsgd import GlobalQSGD, core  # noqa: E402
+from hvd_gqsgd import GlobalQSGD, core
 
 
 def run() -> dict:

@@ -30,13 +30,11 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import horovod.torch as hvd
+import torch
 
-import horovod.torch as hvd  # noqa: E402
-import torch  # noqa: E402
-from inputs import grid_input  # noqa: E402
-
-from hvd_gqsgd import GlobalQSGD  # noqa: E402
+from gqsgd_lab.inputs import grid_input
+from hvd_gqsgd import GlobalQSGD
 
 VICTIM_HOST = "127.0.0.1"
 DEADLINE_S = 120  # stop (and let the test fail on what is missing) if no change comes

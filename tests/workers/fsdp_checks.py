@@ -3,7 +3,7 @@ over real Gloo collectives, launched by torchrun (RANK/WORLD_SIZE, MASTER_ADDR/P
 
 Writes ``rank{r}.pkl`` into argv[1]: what each reduce-scatter call got and returned, the
 gradients and losses FSDP produced, and the errors raised.  No expected value is computed
-here; tests/test_fsdp.py replays everything with tests/two_stage_oracle.py.
+here; tests/test_fsdp.py replays everything with gqsgd_lab/two_stage_oracle.py.
 """
 
 from __future__ import annotations
@@ -17,11 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-sys.path.insert(0, str(Path(__file__).parent.parent.parent))
-from fsdp_inputs import (  # noqa: E402
+from fsdp_inputs import (
     GRID_CASES,
     SHAPES,
     grid_rows,
@@ -29,9 +25,11 @@ from fsdp_inputs import (  # noqa: E402
     random_rows,
     train_data,
 )
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-import hvd_gqsgd.fsdp as gq  # noqa: E402
-import hvd_gqsgd.torch_dist as torch_dist  # noqa: E402
+import hvd_gqsgd.fsdp as gq
+import hvd_gqsgd.torch_dist as torch_dist
 
 # The scenarios below check the hook without a rotation (the default rotates at 4 bits);
 # `rotation` checks it with one

@@ -3,14 +3,10 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
+from ddp_inputs import digits_split as train_data  # noqa: F401
 
-sys.path.insert(0, str(Path(__file__).parent.parent))
-from ddp_inputs import digits_split as train_data  # noqa: E402,F401
-from two_stage_oracle import stage_levels  # noqa: E402
+from gqsgd_lab.two_stage_oracle import stage_levels
 
 BLOCK = 1024
 # parameter shapes whose dim 0 does not divide by 2, 3, 4 or 8 (FSDP pads them), a tiny one

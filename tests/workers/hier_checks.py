@@ -13,13 +13,10 @@ import pickle
 import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-import horovod.torch as hvd  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from hier_inputs import (  # noqa: E402
+import horovod.torch as hvd
+import numpy as np
+import torch
+from hier_inputs import (
     BLOCK,
     GRID_BITS,
     GROUP_NUMELS,
@@ -28,7 +25,7 @@ from hier_inputs import (  # noqa: E402
     rank_grid,
 )
 
-from hvd_gqsgd import GlobalQSGD as _GlobalQSGD  # noqa: E402
+from hvd_gqsgd import GlobalQSGD as _GlobalQSGD
 
 # These scenarios test flat Global-QSGD, whose levels the test's simulation assumes at every
 # bits, without a rotation; the defaults would pick two-stage below 15 levels

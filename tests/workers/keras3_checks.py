@@ -1,5 +1,5 @@
 """Keras 3 model.fit through hvd_gqsgd.keras on every rank; tests/test_keras3.py checks what
-the ranks record.  Each rank trains on its own rows (tests/inputs.training_data) and starts
+the ranks record.  Each rank trains on its own rows (gqsgd_lab.inputs.training_data) and starts
 from its own random weights (seed = rank), so only the broadcast and the reduction can make
 the ranks agree.  Rank 0 also trains single-process references on the union of all ranks'
 batches: the mean loss over one combined batch of n * BATCH rows has the gradient the ranks'
@@ -11,16 +11,14 @@ import os
 import pickle
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import horovod.tensorflow as hvd
+import keras
+import numpy as np
+import tensorflow as tf
 
-import horovod.tensorflow as hvd  # noqa: E402
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from inputs import training_data  # noqa: E402
-
-from hvd_gqsgd import GlobalQSGD  # noqa: E402
-from hvd_gqsgd.keras import (  # noqa: E402
+from gqsgd_lab.inputs import training_data
+from hvd_gqsgd import GlobalQSGD
+from hvd_gqsgd.keras import (
     BroadcastGlobalVariablesCallback,
     DistributedOptimizer,
     MetricAverageCallback,

@@ -8,15 +8,13 @@ import os
 import pickle
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import horovod.tensorflow.keras as hvd
+import numpy as np
+import tensorflow as tf
 
-import horovod.tensorflow.keras as hvd  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from inputs import training_data  # noqa: E402
-
-from hvd_gqsgd import GlobalQSGD  # noqa: E402
-from hvd_gqsgd.tensorflow import tape_sources  # noqa: E402
+from gqsgd_lab.inputs import training_data
+from hvd_gqsgd import GlobalQSGD
+from hvd_gqsgd.tensorflow import tape_sources
 
 
 def _model():

@@ -14,16 +14,13 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import horovod.torch as hvd
+import numpy as np
+import qprsgd_data as data
+import torch
 
-import horovod.torch as hvd  # noqa: E402
-import numpy as np  # noqa: E402
-import qprsgd_data as data  # noqa: E402
-import torch  # noqa: E402
-
-from hvd_gqsgd import GlobalQSGD  # noqa: E402
-from hvd_gqsgd.qprsgd import QPRSGD  # noqa: E402
+from hvd_gqsgd import GlobalQSGD
+from hvd_gqsgd.qprsgd import QPRSGD
 
 LR0 = 0.3
 

@@ -9,22 +9,20 @@ import os
 import pickle
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import horovod.tensorflow as hvd
+import numpy as np
+import tensorflow as tf
 
-import horovod.tensorflow as hvd  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from inputs import (  # noqa: E402
+from gqsgd_lab.inputs import (
     GRID_CASES,
     block_grid_input,
     grid_input,
     random_input,
     training_data,
 )
-
-from hvd_gqsgd import GlobalQSGD as _GlobalQSGD  # noqa: E402
+from hvd_gqsgd import GlobalQSGD as _GlobalQSGD
 from hvd_gqsgd import QSGDAllgather, core
-from hvd_gqsgd.tensorflow import TensorFlowBackend, tape_sources  # noqa: E402
+from hvd_gqsgd.tensorflow import TensorFlowBackend, tape_sources
 
 # These scenarios test flat Global-QSGD, whose levels the test's simulation assumes at every
 # bits, without a rotation; the defaults would pick two-stage below 15 levels

@@ -2,7 +2,7 @@
 
 Each scenario stores its results under a key in ``rank{r}.pkl``; tests/test_multiproc.py
 loads all ranks' files and compares them with a single-process simulation.  Inputs come from
-``tests/inputs.py`` so the test can regenerate them.  No checking happens here.
+``gqsgd_lab/inputs.py`` so the test can regenerate them.  No checking happens here.
 """
 
 from __future__ import annotations
@@ -13,22 +13,20 @@ import pickle
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import horovod.torch as hvd
+import numpy as np
+import torch
 
-import horovod.torch as hvd  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from inputs import (  # noqa: E402
+from gqsgd_lab.inputs import (
     GRID_CASES,
     block_grid_input,
     grid_input,
     random_input,
     training_data,
 )
-
-from hvd_gqsgd import GlobalQSGD as _GlobalQSGD  # noqa: E402
+from hvd_gqsgd import GlobalQSGD as _GlobalQSGD
 from hvd_gqsgd import QSGDAllgather, core
-from hvd_gqsgd.torch import TorchBackend  # noqa: E402
+from hvd_gqsgd.torch import TorchBackend
 
 # These scenarios test flat Global-QSGD, whose levels the test's simulation assumes at every
 # bits, without a rotation; the defaults would pick two-stage below 15 levels

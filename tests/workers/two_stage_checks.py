@@ -1,7 +1,7 @@
 """Two-stage GlobalQSGD through real Horovod collectives, on every rank of a horovodrun or
 mpirun job: ``two_stage_checks.py OUT_DIR torch|tf``.  Each scenario records what the ranks
 got under a key of ``rank{r}.pkl``; tests/test_two_stage_multiproc.py compares it with
-tests/two_stage_oracle.py.  Inputs come from tests/inputs.py.  No checking happens here.
+gqsgd_lab/two_stage_oracle.py.  Inputs come from gqsgd_lab/inputs.py.  No checking happens here.
 """
 
 from __future__ import annotations
@@ -12,13 +12,11 @@ import pickle
 import sys
 from contextlib import contextmanager
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
 
-import numpy as np  # noqa: E402
-from inputs import TWO_STAGE_NUMELS, TWO_STAGE_SEED, two_stage_input  # noqa: E402
-
-from hvd_gqsgd import GlobalQSGD as _GlobalQSGD  # noqa: E402
-from hvd_gqsgd import core  # noqa: E402
+from gqsgd_lab.inputs import TWO_STAGE_NUMELS, TWO_STAGE_SEED, two_stage_input
+from hvd_gqsgd import GlobalQSGD as _GlobalQSGD
+from hvd_gqsgd import core
 
 # Two-stage as the oracle simulates it: no rotation (the default rotates at 4 bits;
 # tests/workers/rotation_checks.py covers two-stage with it)
@@ -62,7 +60,7 @@ def _reduce(compression, xs, op, graph=False, process_set=None):
 def lane_extremes(rank: int, n: int) -> dict:
     """Stage-1 words at every bits' lane width, codes all +L1 / all -L1 / random, summed by
     Horovod's reduce-scatter: the shards' lane sums, unpacked."""
-    from numpy_ops import NumpyOps
+    from gqsgd_lab.numpy_ops import NumpyOps
 
     ops, out = NumpyOps(), {}
     for bits in range(core.MIN_BITS, core.MAX_BITS + 1):

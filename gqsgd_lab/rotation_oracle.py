@@ -7,7 +7,7 @@ docstring, "Rotation"), not from the code under test.
   dtype.  ``forward`` and ``inverse`` apply it to a bucket's full blocks.
 * ``sign_of``: the sign hash in Python integers, one element at a time, to check
   ``kernels.signs`` (the shared definition of the hash that ``forward`` uses, as
-  tests/two_stage_oracle.py shares ``kernels.noise``).
+  gqsgd_lab/two_stage_oracle.py shares ``kernels.noise``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""Launch a worker script under real Horovod (horovodrun --gloo, or mpirun) and load results."""
+"""Launch a worker script of tests/workers/ under real Horovod (horovodrun --gloo, mpirun, or
+mpirun across emulated hosts) and load what each rank recorded.
+
+Every job gets ``PYTHONPATH`` = this checkout, so its ranks import this checkout's
+``hvd_gqsgd`` and ``gqsgd_lab`` whatever the virtualenv's editable install points at.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-from emulated_hosts import EmulatedHosts  # noqa: E402
+from .emulated_hosts import EmulatedHosts
 
-WORKERS = Path(__file__).parent / "workers"
+ROOT = Path(__file__).resolve().parent.parent  # the checkout
+WORKERS = ROOT / "tests" / "workers"
 BIN = Path(sys.executable).parent
 TIMEOUT_S = int(os.environ.get("GQSGD_TEST_LAUNCH_TIMEOUT", "600"))
 
@@ -31,7 +36,7 @@ def run(worker: str, controller: str, n: int, *args: str,
         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
                 "TF_USE_LEGACY_KERAS": "0",
-                "PYTHONPATH": str(Path(__file__).parent.parent), **(env or {})}
+                "PYTHONPATH": str(ROOT), **(env or {})}
     if controller == "hosts":  # one emulated host (network namespace) per rank
         with EmulatedHosts(n, rate=None) as hosts:
             return hosts.mpirun([sys.executable, str(WORKERS / worker), *args],

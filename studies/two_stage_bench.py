@@ -2,7 +2,7 @@
 ``hvd.allreduce`` in PyTorch and in TensorFlow (``tf.function``), and a DDP training step
 with the hook, 4 hosts at 1 Gbit/s by default (root: network namespaces and tc).
 
-    flock /tmp/gqsgd-bench.lock .venv/bin/python benchmarks/two_stage_bench.py
+    flock /tmp/gqsgd-bench.lock .venv/bin/python studies/two_stage_bench.py
 
 Runs benchmarks/allreduce_worker.py, allreduce_worker_tf.py (netbench.run_job) and
 ddp_bench_worker.py (ddp_bench.run_job) in the same namespaces; goals: two-stage at least
@@ -22,12 +22,14 @@ import sys
 import time
 from pathlib import Path
 
-import ddp_bench
-from bench_common import write_section
-from emulated_hosts import EmulatedHosts, require_root
-from netbench import run_job
+from gqsgd_lab.bench_common import write_section
+from gqsgd_lab.emulated_hosts import EmulatedHosts, require_root
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the job runners of netbench.py and ddp_bench.py
+import ddp_bench  # noqa: E402
+from netbench import run_job  # noqa: E402
+
 DOC = ROOT / "docs" / "TWO_STAGE.md"
 SECTION = "two_stage_bench"
 COMPRESSORS = "none,fp16,gqsgd8flat,gqsgd8ts"
@@ -95,7 +97,7 @@ def main() -> int:
         lines += rows_of(label, jobs[key], jobs.get(f"{key}-floor"))
     section = [
         "## Speed on emulated hosts", "",
-        f"`python benchmarks/two_stage_bench.py` ({time.strftime('%Y-%m-%d')}, "
+        f"`python studies/two_stage_bench.py` ({time.strftime('%Y-%m-%d')}, "
         f"{time.time() - started:.0f} s): {args.hosts} hosts (network namespaces) at "
         f"{args.rate}, one rank each, all on this machine's 2 cores.  `hvd.allreduce` of "
         f"{args.mb:g} MB fp32 (median of {args.repeats}, slowest rank; TF in `tf.function`), "

@@ -1,12 +1,12 @@
 """GlobalQSGD's own CPU a round, under DistributedOptimizer's call pattern (every gradient's
 ``compress``, then every ``decompress``), with Horovod left out: one rank, the PyTorch
 backend's local half (:class:`hvd_gqsgd.torch_ops.TorchLocal`, the numba kernels) and
-collectives that hand back their input at once.  So the figures are the engine's and the
-backend's work alone, which no wire hides on the 300-tensor shape (benchmarks/small_tensors.py),
-without the noise of Horovod's waits.
+collectives that hand back their input at once (gqsgd_lab/one_rank.py).  So the figures are
+the engine's and the backend's work alone, which no wire hides on the 300-tensor shape
+(benchmarks/small_tensors.py), without the noise of Horovod's waits.
 
-    python benchmarks/engine_cpu.py
-    PYTHONPATH=/path/to/other/checkout python benchmarks/engine_cpu.py   # another version
+    python studies/engine_cpu.py
+    PYTHONPATH=/path/to/other/checkout python studies/engine_cpu.py   # another version
 
 Two models: 150 ``Linear(32, 32)`` (300 tensors, 1.2 MB, one bucket) and 16
 ``Linear(1024, 1024)`` (32 tensors, 64 MB, 8 MiB buckets).  Prints the median milliseconds
@@ -19,71 +19,17 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 os.environ.setdefault("NUMBA_NUM_THREADS", "1")  # one thread, as with 2 ranks on 2 cores
 
 import torch  # noqa: E402
 
 import hvd_gqsgd  # noqa: E402
+from gqsgd_lab.one_rank import Local, gradients, split_round  # noqa: E402
 from hvd_gqsgd import core  # noqa: E402
 from hvd_gqsgd.engine import Engine  # noqa: E402
-from hvd_gqsgd.torch_ops import TorchLocal  # noqa: E402
-
-
-class _OneRank:
-    def included(self) -> bool:
-        return True
-
-    def rank(self) -> int:
-        return 0
-
-    def size(self) -> int:
-        return 1
-
-
-class Local(TorchLocal):
-    """One rank's collectives: a MAX or Sum over one rank is its input, there at once."""
-
-    def global_process_set(self) -> _OneRank:
-        return _OneRank()
-
-    def allreduce_max_async(self, vec, name, process_set):
-        return vec
-
-    def allreduce_sum_async(self, words, name, process_set):
-        return words
-
-    def poll(self, handle) -> bool:
-        return True
-
-    def wait(self, handle):
-        return handle
-
-    def auto_bucket_bytes(self) -> int:
-        return core.AUTO_BUCKET_BYTES
-
 
 MODELS = {"300 tensors": (32, 150), "deep 16x1024": (1024, 16)}
-
-
-def gradients(width: int, depth: int) -> list[torch.Tensor]:
-    """The model's gradients in the order backward produces them (last layer first)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
-    model(torch.randn(16, width)).square().mean().backward()
-    return [p.grad for p in model.parameters()][::-1]
-
-
-def split_round(engine: Engine, grads: list[torch.Tensor]) -> tuple[float, float]:
-    """One round under DistributedOptimizer's call pattern: seconds in all its ``compress``
-    calls, and in all its ``decompress`` calls."""
-    start = time.perf_counter()
-    out = [engine.compress(g) for g in grads]
-    middle = time.perf_counter()
-    for probe, ctx in out:
-        engine.decompress(probe, ctx)
-    return middle - start, time.perf_counter() - middle
 
 
 def one_round(engine: Engine, grads: list[torch.Tensor]) -> float:

@@ -1,6 +1,6 @@
 """Issue 24: training at 16 ranks with flat and two-stage Global-QSGD, against fp32.
 
-    .venv/bin/python benchmarks/two_stage_train.py     # docs/TWO_STAGE.md (its section)
+    .venv/bin/python studies/two_stage_train.py     # docs/TWO_STAGE.md (its section)
 
 One horovodrun job of 16 ranks on this machine (``-H localhost:16``, Gloo, 2 cores
 oversubscribed) runs examples/char_lm.py (the 2-layer character LSTM on Python's own
@@ -22,9 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-from bench_common import write_section  # noqa: E402
+from gqsgd_lab.bench_common import write_section
 
+ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "TWO_STAGE.md"
 SECTION = "two_stage_train"
 VARIANTS = "none,gq8:two_stage=false,gq8:two_stage=true,gq4:two_stage=true"
@@ -93,7 +93,7 @@ def main() -> int:
     print("\n".join(lines))
     write_section(DOC, SECTION, [
         f"## Training at {args.ranks} ranks", "",
-        f"`python benchmarks/two_stage_train.py` ({time.strftime('%Y-%m-%d')}, {wall:.0f} s): "
+        f"`python studies/two_stage_train.py` ({time.strftime('%Y-%m-%d')}, {wall:.0f} s): "
         f"examples/char_lm.py under `horovodrun --gloo -np {args.ranks} -H "
         f"localhost:{args.ranks}` (one machine, 2 cores), {args.steps} steps, seed(s) "
         f"{args.seeds}, global batch 32, the same data and initial weights for every "

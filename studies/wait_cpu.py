@@ -1,6 +1,6 @@
 """CPU that Horovod's PyTorch wait (``hvd.synchronize``) takes while it waits, on 2 ranks.
 
-    horovodrun --gloo -np 2 -H localhost:2 python benchmarks/wait_cpu.py
+    horovodrun --gloo -np 2 -H localhost:2 python studies/wait_cpu.py
 
 1. One allreduce that rank 1 joins 50 ms late: rank 0's wall time in ``synchronize`` against
    the CPU its thread used meanwhile (equal when the wait is a busy loop).
@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import horovod.torch as hvd
 import horovod.torch.mpi_ops as mpi_ops
-import small_tensors
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import small_tensors  # noqa: E402  (its 300-tensor model, step and compressors)
 
 WAITED = {"cpu": 0.0}
 

@@ -2,10 +2,10 @@
 
 One command, as root (network namespaces), regenerates docs/LOCAL_SGD.md and its plot::
 
-    .venv/bin/python benchmarks/local_sgd.py                 # about an hour on 2 idle cores
+    .venv/bin/python studies/local_sgd.py                 # about an hour on 2 idle cores
 
 It takes /tmp/gqsgd-bench.lock (other benchmarks on the machine wait, and it waits for them),
-starts 4 emulated hosts (benchmarks/emulated_hosts.py) joined by links of ``--rate``, and runs
+starts 4 emulated hosts (gqsgd_lab/emulated_hosts.py) joined by links of ``--rate``, and runs
 one mpirun job in which every run trains examples/char_lm.py's LSTM from the same weights, on
 the same windows, for the same number of steps (so the same samples):
 
@@ -42,8 +42,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))  # char_lm.py, the model and data it times
 
 RUNS = ("sync:none", "sync:gq8", "avg:4", "avg:8", "allreduce:4", "allreduce:8", "gossip:4",
         "gossip:8")
@@ -217,7 +216,7 @@ def worker_command(args, runs: str, factor: int, out: Path, steps: int | None = 
 
 def launch(args, runs: str, factor: int, out: Path) -> None:
     """Root: 4 emulated hosts at --rate, one mpirun job of ``runs``, under the bench lock."""
-    from emulated_hosts import EmulatedHosts, require_root
+    from gqsgd_lab.emulated_hosts import EmulatedHosts, require_root
 
     require_root()
     cmd = worker_command(args, runs, factor, out)
@@ -673,7 +672,7 @@ def write_doc(same: dict, budget: dict | None, payload: dict, md: Path, png: Pat
         "and 25 minutes on this project's 2-core machine when it is otherwise idle, far "
         "longer under load, then a loss-only job on localhost):",
         "",
-        "    .venv/bin/python benchmarks/local_sgd.py",
+        "    .venv/bin/python studies/local_sgd.py",
         "",
         "(`--from-json` redraws this page from docs/local_sgd*.json.)  " + _setup(payload),
         "",

@@ -2,7 +2,7 @@
 32x32 layers plus biases) with ``hvd.DistributedGradientTape`` in ``tf.function`` and
 Horovod's **default arguments**, GlobalQSGD(bits=8) vs uncompressed, unthrottled loopback.
 
-    horovodrun --gloo -np 2 -H localhost:2 python benchmarks/small_tensors_tf.py
+    horovodrun --gloo -np 2 -H localhost:2 python studies/small_tensors_tf.py
 
 Prints the median step time of each and their ratio (goal: <= 1.5x); ``--num-groups 1`` adds
 Horovod's grouped path for comparison.

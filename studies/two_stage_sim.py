@@ -1,20 +1,20 @@
 """Issue 24: error of the averaged gradient against the rank count, flat vs hierarchical vs
 two-stage Global-QSGD, on real gradients, 2 to 1024 ranks, 4 and 8 bits.
 
-    .venv/bin/python benchmarks/two_stage_sim.py     # docs/TWO_STAGE.md (its section),
-                                                      # docs/two_stage_error.png and .json
+    .venv/bin/python studies/two_stage_sim.py     # docs/TWO_STAGE.md (its section),
+                                                   # docs/two_stage_error.png and .json
 
 A single-process simulation:
 
-* **gradients**: benchmarks/hierarchical_sim.py's, the digits MLP (85,002 weights) mid-
-  training, one gradient per rank on its own batch of 32 images;
+* **gradients**: gqsgd_lab/simulate.py's (as hierarchical_sim.py's), the digits MLP (85,002
+  weights) mid-training, one gradient per rank on its own batch of 32 images;
 * **flat**: ``L = levels(bits, n)`` codes against the per-block MAX scale, summed
-  (hierarchical_sim.quantized_sum, the core's rounding);
+  (gqsgd_lab.simulate.quantized_sum, the core's rounding);
 * **hierarchical**: 8 ranks per node summed in float64, the node sums quantized with
   ``L = levels(bits, n / 8)`` (from 16 ranks on; below, one node: flat);
-* **two-stage**: the library's own path (``hvd_gqsgd.two_stage`` with the torch backend's
-  fused kernels), with the reduce-scatter a NumPy sum of every rank's words and the
-  allgather a concatenation of the shards' messages;
+* **two-stage**: the library's own path (gqsgd_lab.simulate.two_stage_sum:
+  ``hvd_gqsgd.two_stage`` with the torch backend's fused kernels), with the reduce-scatter a
+  NumPy sum of every rank's words and the allgather a concatenation of the shards' messages;
 * **fp16**: every rank's gradient rounded to float16, summed exactly.
 
 The relative error is ``||g_hat - g|| / ||g||`` for the exact mean ``g``, averaged over
@@ -29,51 +29,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
-from hierarchical_sim import PER_NODE, block_max, fp16_error, gradients, quantized_sum
+from hierarchical_sim import PER_NODE, fp16_error
+
+from gqsgd_lab.bench_common import write_section
+from gqsgd_lab.simulate import block_max, gradients, quantized_sum, two_stage_sum
+from hvd_gqsgd import core
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench_common import write_section  # noqa: E402
-
-from hvd_gqsgd import core, two_stage  # noqa: E402
-from hvd_gqsgd.torch_ops import TorchLocal  # noqa: E402
-
 DOC = ROOT / "docs" / "TWO_STAGE.md"
 PLOT = ROOT / "docs" / "two_stage_error.png"
 DATA = ROOT / "docs" / "two_stage_error.json"
 RANKS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BITS = (4, 8)
 SECTION = "two_stage_sim"
-
-
-def two_stage_sum(rows: np.ndarray, numels: list[int], bits: int, seed: int) -> np.ndarray:
-    """The sum over ``rows`` (one gradient per rank) by two-stage Global-QSGD: every rank's
-    stage-1 words summed, each shard requantized by its rank, every message decoded."""
-    n = rows.shape[0]
-    counts, _ = core.segments(numels, core.DEFAULT_SCALE_BLOCK)
-    plan, layout = two_stage.plan_of(("sim", tuple(numels)), counts, n, bits)
-    local = TorchLocal(seed)
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    scales = torch.from_numpy(block_max(rows, starts))
-    mult = core.multipliers(local, scales, plan.levels1)
-    total = np.zeros(plan.scatter_words, dtype=np.int64)
-    for r in range(n):  # the reduce-scatter's sum, done whole
-        total += local.encode(torch.from_numpy(rows[r]), mult, counts, plan.levels1,
-                              plan.lane_bits, r, pad_to=plan.scatter_words).numpy()
-    q = plan.shard_words
-    messages = [two_stage.requantize(local, torch.from_numpy(total[r * q:(r + 1) * q].copy()),
-                                     plan, r, r) for r in range(n)]
-    state = local.messages(torch.cat(messages), layout,
-                           core.step_sizes(local, scales, plan.levels1))
-    out = torch.empty(rows.shape[1], dtype=torch.float64)
-    local.decode_into(state, out, 1.0)
-    return out.numpy()
 
 
 def bits_per_element(mode: str, bits: int, n: int, numels: list[int]) -> float:
@@ -190,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     write_section(DOC, SECTION, [
         "## Error against rank count",
         "",
-        f"`python benchmarks/two_stage_sim.py` ({seconds:.0f} s; {args.draws} draws, seed "
+        f"`python studies/two_stage_sim.py` ({seconds:.0f} s; {args.draws} draws, seed "
         f"{args.seed}): the relative error of the averaged gradient on real gradients (the "
         "digits MLP, 85,002 weights, one batch of 32 per rank), by a single-process "
         "simulation: flat and hierarchical with the core's rounding, two-stage through the "

@@ -1,9 +1,9 @@
 """Where one GlobalQSGD step of the deep model spends its time, rank by rank (issue 26).
 
     # 2 ranks on loopback
-    horovodrun --gloo -np 2 -H localhost:2 .venv/bin/python benchmarks/deep_timeline.py
-    # 2 emulated hosts at 1 Gbit/s (root; benchmarks/emulated_hosts.py)
-    .venv/bin/python benchmarks/deep_timeline.py --hosts 2 --rate 1gbit
+    horovodrun --gloo -np 2 -H localhost:2 .venv/bin/python studies/deep_timeline.py
+    # 2 emulated hosts at 1 Gbit/s (root; gqsgd_lab/emulated_hosts.py)
+    .venv/bin/python studies/deep_timeline.py --hosts 2 --rate 1gbit
 
 benchmarks/deep_worker.py's model (16 x ``Linear(1024, 1024)`` + Tanh) under
 ``hvd.DistributedOptimizer(compression=GlobalQSGD(bits=8))``.  The PyTorch backend's local
@@ -145,7 +145,8 @@ def main() -> int:
         worker(args)
         return 0
     from deep_bench import ENV, rank0_lines
-    from emulated_hosts import EmulatedHosts, require_root
+
+    from gqsgd_lab.emulated_hosts import EmulatedHosts, require_root
 
     require_root()
     with EmulatedHosts(args.hosts, rate=args.rate) as net:
