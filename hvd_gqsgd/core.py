@@ -44,7 +44,7 @@ Walsh-Hadamard matrix before its norm is taken, and by the inverse after decodin
 one large coordinate no longer sets the scale of the whole block.  The definition, which
 the fused kernels (``kernels.rotate_norms``, ``kernels.unrotate`` and the decode fused with
 it, ``kernels.Summed.unpack_bucket(..., rotation=)``), the generic path (:func:`rotate`, on
-every framework's :class:`TensorOps`) and tests/rotation_oracle.py follow bit for bit in
+every framework's :class:`TensorOps`) and gqsgd_lab/rotation_oracle.py follow bit for bit in
 float32 and float64:
 
 * **What rotates.**  The bucket's scale segments (:func:`segments` with ``block``) whose

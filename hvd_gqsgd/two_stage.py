@@ -34,7 +34,7 @@ holds every size below:
 
 Error: stage 1 adds ``n`` roundings of step ``s / L1``, stage 2 one rounding of step
 ``m (s / L1) / L2`` with ``m <= n L1``; the sum's error is about that of one rank at ``bits``
-whatever ``n`` is (docs/MULTINODE.md's table, from ``benchmarks/two_stage_sim.py``).
+whatever ``n`` is (docs/MULTINODE.md's table, from ``studies/two_stage_sim.py``).
 
 Traffic per rank for ``T`` elements, in an allreduce's terms (``Stats.payload``,
 :meth:`~hvd_gqsgd.core.TwoStagePlan.wire_bytes`): ``(n q + n (q2 + P)) / 2`` int64 words,
