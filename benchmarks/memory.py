@@ -29,6 +29,16 @@ ENTRIES = ("hvd", "hvd-two-stage", "ddp", "fsdp")
 LABELS = {"hvd": "Horovod `hvd.allreduce`, flat", "hvd-two-stage": "Horovod, `two_stage=True`",
           "ddp": "DDP hook", "fsdp": "FSDP2 hook"}
 GOAL = 0.5  # added bytes over the uncompressed round, in gradient fp32 bytes
+TITLE = """# Memory
+
+What one round adds to a rank's resident memory over the same entry point's uncompressed
+round, from `python benchmarks/memory.py` (see its docstring for how it is measured).  The
+torch-ops path is what CUDA tensors run: it works chunk by chunk
+(`hvd_gqsgd/torch_generic.py`), so what it adds is the packed words plus one chunk's
+temporaries, and issue 42's goal (at most 0.5x the gradient) is read on its rows.  On the
+fused CPU path the decoded gradients come from `kernels.host_array`'s pool, which keeps up to
+256 MiB of buffers per size between rounds: a round there adds little, less than the
+uncompressed round whose output is new memory, because the pool already holds it."""
 
 
 def launch(entry: str, sizes: list[int], kernels: bool, ranks: int = 2) -> list[dict]:
@@ -105,13 +115,8 @@ def main() -> None:
     lines = [f"`python benchmarks/memory.py --mb {args.mb}`, {time.strftime('%Y-%m-%d')}, "
              f"{platform.machine()}: fp32 gradients of {args.mb} MB (one `Linear` weight), "
              f"2 ranks on one machine, Gloo; goal: at most {GOAL}x on the torch-ops path.",
-             "", *table(rows), "",
-             "The torch-ops path is what CUDA tensors run; its rows are the goal's.  On the "
-             "fused path the decoded gradients come from `kernels.host_array`'s pool, which "
-             "keeps up to 256 MiB of buffers per size between rounds: a round then adds "
-             "little (less than the uncompressed round, whose output is new memory), because "
-             "the pool already holds it."]
-    write_section(Path(args.out), "memory", lines, "# Memory")
+             "", *table(rows)]
+    write_section(Path(args.out), "memory", lines, TITLE)
     print("\n".join(lines))
 
 
