@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from gqsgd_lab.bench_common import write_section
+from gqsgd_lab.bench_common import gloo_job, write_section
 from gqsgd_lab.emulated_hosts import EmulatedHosts, require_root
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,14 +38,7 @@ LABELS = {"default": "DDP default allreduce (fp32)", "fp16": "`fp16_compress_hoo
 def run_job(net: EmulatedHosts, mode: str, variants: str, args) -> list[dict]:
     command = [sys.executable, str(WORKER), "--mode", mode, "--variants", variants,
                "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": net.addresses[0],
-           "MASTER_PORT": "29500",
-           "GLOO_SOCKET_IFNAME": "eth0"}  # else Gloo binds to the hostname's 127.0.0.1
-    proc = net.mpirun(command, env=env, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{mode} job failed on {net.n} hosts:\n{proc.stdout[-3000:]}\n"
-                           f"{proc.stderr[-3000:]}")
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return gloo_job(net, command, mode, timeout=1800)
 
 
 def table(rows: list[dict], rate: str) -> list[str]:

@@ -121,3 +121,20 @@ def write_section(path: Path, name: str, lines: list[str], title: str = "") -> N
         text = text.rstrip("\n") + f"\n\n{begin}\n{end}\n"
     head, rest = text.split(begin, 1)
     path.write_text(head + begin + "\n" + "\n".join(lines) + "\n" + end + rest.split(end, 1)[1])
+
+
+def gloo_job(net: Any, command: list[str], what: str, timeout: float) -> list[dict]:
+    """COLLECTIVE across emulated hosts: ``command`` (a torch.distributed worker over Gloo,
+    one rank per host, under mpirun) with its rendezvous at host 0; the JSON lines rank 0
+    printed.  ``what`` names the job in the error if it fails."""
+    import json
+
+    root = Path(__file__).resolve().parent.parent
+    env = {"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "MASTER_ADDR": net.addresses[0],
+           "MASTER_PORT": "29500",
+           "GLOO_SOCKET_IFNAME": "eth0"}  # else Gloo binds to the hostname's 127.0.0.1
+    proc = net.mpirun(command, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} job failed on {net.n} hosts:\n{proc.stdout[-3000:]}\n"
+                           f"{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -62,3 +62,29 @@ def launch(worker: str, controller: str, n: int, out: Path,
             results.append(pickle.load(f))
     assert [r["size"] for r in results] == [n] * n
     return results
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (a torchrun rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def finish_dist_worker(out_dir: str, rank: int, result: dict) -> None:
+    """End a torch.distributed test worker: COLLECTIVE barrier, ``rank{rank}.pkl`` with
+    ``result`` into ``out_dir``, the group destroyed, and the process left at once.  torch/Gloo
+    sometimes aborts in the interpreter's teardown ("terminate called without an active
+    exception", with and without hvd_gqsgd; tests/test_ddp_frameworks.py): everything the
+    worker checks is written before, so it leaves without the teardown."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
+        pickle.dump(result, f)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -46,7 +46,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import socket
 import statistics
 import subprocess
 import sys
@@ -77,6 +76,7 @@ from cuda_inputs import (  # noqa: E402
 from test_engine import OneRank, _engine, _grid  # noqa: E402
 from threaded_ranks import RankBackend, World  # noqa: E402
 
+from gqsgd_lab.launch import free_port  # noqa: E402
 from hvd_gqsgd import core, kernels  # noqa: E402
 from hvd_gqsgd.engine import Engine  # noqa: E402
 
@@ -291,15 +291,11 @@ def test_horovod_allreduce_and_optimizer_on_one_rank(tmp_path):
 # --------------------------------------------------------------------------- DDP and FSDP2 workers
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(n: int, checks: list[str], out: Path) -> list[dict]:
     """tests/workers/cuda_checks.py on ``n`` ranks (processes); their results."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": str(n), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, str(WORKERS / "cuda_checks.py"), str(out),
                                ",".join(checks)], env={**env, "RANK": str(r)},

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
@@ -58,16 +57,12 @@ CONFIGS = {
 _JOBS: dict[str, list[dict]] = {}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(name: str, out: Path) -> list[dict]:
     controller, n, extra, checks = CONFIGS[name]
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "DDP_CHECKS": ",".join(checks),
-           "MASTER_PORT": str(_free_port()), "TF_CPP_MIN_LOG_LEVEL": "2",
+           "MASTER_PORT": str(launch.free_port()), "TF_CPP_MIN_LOG_LEVEL": "2",
            "TF_USE_LEGACY_KERAS": "0", **extra}  # launch.command exports the last two
     command = [sys.executable, str(WORKER), str(out)]
     if controller == "hosts":

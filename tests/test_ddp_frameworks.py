@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import pickle
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gqsgd_lab.launch import TIMEOUT_S
+from gqsgd_lab.launch import TIMEOUT_S, free_port
 
 ROOT = Path(__file__).parent.parent
 STEPS = 4  # 256 samples, batch 32, 2 ranks
@@ -56,17 +55,13 @@ def scripts() -> dict[str, str]:
     return {name: v[0] for name, v in found.items()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(code: str, state: str, tmp_path: Path) -> list[dict]:
     script = tmp_path / "script.py"
     script.write_text(code + f"\nSTATE = {state}\n" + CHECK)
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2",
-           "--master_port", str(_free_port()), str(script)]
+           "--master_port", str(free_port()), str(script)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=TIMEOUT_S)

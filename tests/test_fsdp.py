@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +32,7 @@ from fsdp_inputs import (  # noqa: E402
     random_rows,
 )
 
+from gqsgd_lab.launch import free_port  # noqa: E402
 from gqsgd_lab.two_stage_oracle import lane_width, stage_levels, stage_one_rows  # noqa: E402
 from hvd_gqsgd import core  # noqa: E402
 
@@ -57,10 +57,6 @@ CONFIGS = {
 _JOBS: dict[str, list[dict]] = {}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(name: str, out: Path) -> list[dict]:
@@ -68,7 +64,7 @@ def _launch(name: str, out: Path) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
            "FSDP_CHECKS": ",".join(checks), **extra}
     torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(n),
-                "--master_port", str(_free_port()), str(WORKER), str(out)]
+                "--master_port", str(free_port()), str(WORKER), str(out)]
     proc = subprocess.run(torchrun, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, (f"{name} failed (exit {proc.returncode}):\n"
                                   f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")

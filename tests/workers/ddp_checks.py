@@ -12,7 +12,6 @@ import functools
 import os
 import pickle
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,6 +26,7 @@ from ddp_inputs import (
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gqsgd_lab.launch import finish_dist_worker
 from hvd_gqsgd import core
 from hvd_gqsgd.ddp import GlobalQSGDState as _GlobalQSGDState
 from hvd_gqsgd.ddp import global_qsgd_hook
@@ -329,16 +329,7 @@ def main():
     for check in CHECKS:
         if not only or check.__name__ in only.split(","):
             result[check.__name__] = check(rank, size)
-    dist.barrier()
-    with open(Path(sys.argv[1]) / f"rank{rank}.pkl", "wb") as f:
-        pickle.dump(result, f)
-    dist.destroy_process_group()
-    # torch/Gloo sometimes aborts in the interpreter's teardown ("terminate called without an
-    # active exception", with and without hvd_gqsgd; tests/test_ddp_frameworks.py): all this
-    # worker checks is written above, so leave without it
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish_dist_worker(sys.argv[1], rank, result)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ import functools
 import os
 import pickle
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -30,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import hvd_gqsgd.fsdp as gq
 import hvd_gqsgd.torch_dist as torch_dist
+from gqsgd_lab.launch import finish_dist_worker
 
 # The scenarios below check the hook without a rotation (the default rotates at 4 bits);
 # `rotation` checks it with one
@@ -286,15 +286,7 @@ def main():
     for name, check in {**CHECKS, **MESH_CHECKS}.items():
         if name in only:
             result[name] = check(rank, size, mesh) if name in MESH_CHECKS else check(rank, size)
-    dist.barrier()
-    with open(Path(sys.argv[1]) / f"rank{rank}.pkl", "wb") as f:
-        pickle.dump(result, f)
-    dist.destroy_process_group()
-    # torch/Gloo sometimes aborts in the interpreter's teardown (see ddp_checks.py): all this
-    # worker checks is written above, so leave without it
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish_dist_worker(sys.argv[1], rank, result)
 
 
 if __name__ == "__main__":
