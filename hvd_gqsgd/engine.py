@@ -476,7 +476,8 @@ class Engine:
         with r.timing("quantize_s"):
             flat = self.backend.round_flat([e.tensor for e in entries])
             flat = self._rotate(bucket, flat, self._serial - 1)
-        if tree is not None:
+        if tree is not None:  # its norms are the node sums' (hierarchical.reduce), not these
+            bucket.norms = None
             hierarchical.reduce(self.backend, self.settings, tree, bucket, flat, name, pset, r,
                                 two)
             bucket.stage = _SENT
