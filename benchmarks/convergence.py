@@ -41,6 +41,7 @@ from _common import (  # noqa: E402
     plot_curves,
 )
 
+from gqsgd_lab.bench_common import machine_stamp  # noqa: E402
 from hvd_gqsgd import core  # noqa: E402
 
 # The compressors of the sweep, in table order, as examples/_common.py specs.  A new variant is
@@ -524,12 +525,26 @@ def local_sgd_lines(results: dict, swept: list[str]) -> list[str]:
     ]
 
 
+def stamp_lines(results: dict, timings: dict) -> list[str]:
+    """The date, machine and load, once at the top: the load at the first launch's start and
+    at the last one's end, over the launches this page shows."""
+    keys = [f"{e.name}, {n} ranks" for e in EXPERIMENTS for n in sorted(results.get(e.name, {}))]
+    runs = [timings[k] for k in keys if k in timings]
+    if not runs:
+        return []
+    first, last = (float(t["load"].split(" → ")[i]) for t, i in ((runs[0], 0), (runs[-1], 1)))
+    dates = sorted({t.get("date", "on an unrecorded date") for t in runs})
+    return [machine_stamp(first, sum(t["wall_s"] for t in runs), last,
+                          " to ".join(dict.fromkeys([dates[0], dates[-1]]))), ""]
+
+
 def render(results: dict, timings: dict, out: Path) -> str:
     first = next(iter(next(iter(results.values())).values()))["settings"]
     swept = swept_variants(results)
     out_lines = [
         "# Convergence on real data",
         "",
+        *stamp_lines(results, timings),
         "Regenerate everything on this page (tables, verdicts, plots) with one command:",
         "",
         "```bash",
@@ -628,6 +643,7 @@ def main() -> None:
             wall = run_launch(cmd, out / f"{exp.name}_n{n}.log", args.timeout)
             timings[f"{exp.name}, {n} ranks"] = {
                 "wall_s": wall, "load": f"{load:.1f} → {os.getloadavg()[0]:.1f}",
+                "date": time.strftime("%Y-%m-%d"),
                 "command": shown, "code": code}
             timings_file.write_text(json.dumps(timings, indent=1))
     results = load_results(out)

@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from gqsgd_lab.bench_common import GQSGD_NAME, TWO_STAGE
+from gqsgd_lab.bench_common import GQSGD_NAME, TWO_STAGE, machine_stamp
 from gqsgd_lab.emulated_hosts import EmulatedHosts, require_root
 from hvd_gqsgd import core
 
@@ -220,7 +220,7 @@ def busy_loops(count: int, nice: int) -> Iterator[list[subprocess.Popen]]:
 
 def run(args: argparse.Namespace) -> None:
     results = []
-    started = time.time()
+    started, load_start = time.time(), os.getloadavg()[0]
     for hosts in (int(h) for h in args.hosts.split(",")):
         for rate in args.rates.split(","):
             names, frameworks = args.compressors.split(","), args.frameworks.split(",")
@@ -248,6 +248,8 @@ def run(args: argparse.Namespace) -> None:
     doc = [
         "# Bandwidth benchmark",
         "",
+        machine_stamp(load_start, time.time() - started),
+        "",
         "Regenerate with `make bench` (root: network namespaces and tc). "
         f"{args.mb:g} MB fp32 gradient, `hvd.allreduce` with the default op (TF: inside "
         "`tf.function`, as Horovod's tape calls it), Open MPI over TCP "
@@ -272,7 +274,6 @@ def run(args: argparse.Namespace) -> None:
         "![speed-up vs link rate](bench_speedup.png)",
         "",
         *train_table(train),
-        f"Took {time.time() - started:.0f} s.",
         "",
     ]
     (out / "BENCHMARKS.md").write_text("\n".join(doc))

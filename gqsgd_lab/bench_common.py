@@ -110,6 +110,28 @@ def deep_args(compressors: str) -> argparse.Namespace:
     return parser.parse_args()
 
 
+def machine_stamp(load_start: float, seconds: float, load_end: float | None = None,
+                  date: str | None = None) -> str:
+    """The line a generated page states once at its top: the date, this machine (processor,
+    cores, memory) and the 1-minute load average at the run's start and end, so a reader can
+    tell a quiet run from one that shared the cores.  ``load_end`` and
+    ``date``: now's, unless given."""
+    import platform
+    import time
+
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    cpu = platform.processor() or platform.machine()
+    for line in Path("/proc/cpuinfo").read_text().splitlines() \
+            if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    return (f"Measured {date or time.strftime('%Y-%m-%d')} on {cpu}, {os.cpu_count()} cores, "
+            f"{mem:.0f} GiB; load average {load_start:.1f} at the start and "
+            f"{os.getloadavg()[0] if load_end is None else load_end:.1f} at the end of a "
+            f"{seconds / 60:.0f}-minute run.")
+
+
 def write_section(path: Path, name: str, lines: list[str], title: str = "") -> None:
     """Replace the block between ``<!-- name begin -->`` and ``<!-- name end -->`` in the
     markdown file ``path`` by ``lines`` (appended, after ``title`` for a new file, when the
