@@ -178,77 +178,109 @@ def main() -> int:
     return 0
 
 
-def goal_lines(deep: list[dict]) -> list[str]:
+GOAL_RATIOS = (("none/GQ8", "vs_none", 3.2), ("fp16/GQ8", "vs_fp16", 1.7))
+TF_WITHIN = 0.15  # TF's ratio within this fraction of PyTorch's
+
+
+def goals(deep: list[dict]) -> dict:
+    """The goals at 2 hosts and 1 Gbit/s, as numbers and verdicts (goal_lines words them):
+    ``ratios`` per goal; ``cpu`` (PyTorch's CPU split: what GlobalQSGD's own work may take
+    a step for each goal, against what it took), ``tf_cpu`` and ``gloo`` where measured."""
     def at(framework: str, name: str) -> dict | None:
         return next((r for r in deep if r["framework"] == framework and r["name"] == name
                      and r["hosts"] == 2 and r["rate"] == "1gbit"), None)
 
-    out = [f"Goals at 2 hosts and 1 Gbit/s: {GOALS}."]
     torch_gq, tf_gq = at("PyTorch", "gqsgd8"), at("TF", "gqsgd8")
     if torch_gq is None or tf_gq is None:
-        return out
-    for what, key, goal in (("none/GQ8", "vs_none", 3.2), ("fp16/GQ8", "vs_fp16", 1.7)):
+        return {}
+    out: dict = {"ratios": []}
+    for what, key, goal in GOAL_RATIOS:
         t, f = torch_gq[key], tf_gq[key]
-        close = abs(f / t - 1) <= 0.15
-        out.append(f"- {what}: PyTorch {t:.2f}x (goal {goal}x: "
-                   f"{'met' if t >= goal else 'not met'}), TF {f:.2f}x "
-                   f"({100 * (f / t - 1):+.0f}% against PyTorch's; goal within 15%: "
-                   f"{'met' if close else 'not met'})")
+        out["ratios"].append({"what": what, "goal": goal, "torch": t, "met": t >= goal,
+                              "tf": f, "tf_vs_torch": f / t - 1,
+                              "tf_close": abs(f / t - 1) <= TF_WITHIN})
     old = at("PyTorch", "gqsgd8b0k")
     if old is not None:
-        out.append(f"- PyTorch GQ8 default against `bucket_bytes=0`: "
-                   f"{old['median_s'] / torch_gq['median_s']:.2f}x faster; default at "
-                   f"{torch_gq['median_s'] / torch_gq['floor']:.2f}x of its floor "
-                   f"(compute {torch_gq['compute']:.3f} s, wire {torch_gq['wire']:.3f} s)")
+        out["bucketed"] = {"faster": old["median_s"] / torch_gq["median_s"],
+                           "of_floor": torch_gq["median_s"] / torch_gq["floor"],
+                           "compute": torch_gq["compute"], "wire": torch_gq["wire"]}
     none, fp16 = at("PyTorch", "none"), at("PyTorch", "fp16")
     if none is not None and fp16 is not None and "compute_cpu_s" in torch_gq:
-        out += cpu_cap_lines(torch_gq, none["median_s"], fp16["median_s"])
-    if "process_cpu_s" in tf_gq:
-        out += tf_cpu_lines(tf_gq, at("TF", "none"), torch_gq)
+        main, other = torch_gq["main_cpu_s"], torch_gq["other_cpu_s"]
+        compute = torch_gq["compute_cpu_s"]
+        budgets = {}
+        for what, base, goal in (("none/GQ8", none["median_s"], 3.2),
+                                 ("fp16/GQ8", fp16["median_s"], 1.7)):
+            budgets[what] = {"goal": goal, "step": base / goal,
+                             "own_allowed": base / goal - compute - other}
+        out["cpu"] = {"main": main, "other": other, "compute": compute,
+                      "own": main - compute,  # GlobalQSGD's kernels and Horovod's hooks
+                      "wire": torch_gq["wire"], "mean_s": torch_gq["mean_s"],
+                      "budgets": budgets}
+    tf_none = at("TF", "none")
+    if "process_cpu_s" in tf_gq and tf_none is not None:
+        need = tf_none["median_s"] / ((1 - TF_WITHIN) * torch_gq["vs_none"])
+        cpu, compute = tf_gq["process_cpu_s"], tf_gq["compute_cpu_s"]
+        out["tf_cpu"] = {"cpu": cpu, "step": tf_gq["median_s"], "compute": compute,
+                         "busy": cpu / tf_gq["median_s"], "need_step": need,
+                         "left": need - compute, "measured": cpu - compute}
     gloo = at(GLOO, "gqsgd8")
     if gloo is not None:
-        out.append(f"- The same PyTorch job under `horovodrun --gloo` (Horovod's Gloo "
-                   f"controller; the goals above are measured under mpirun, as in the issue): "
-                   f"none/GQ8 {gloo['vs_none']:.2f}x, fp16/GQ8 {gloo['vs_fp16']:.2f}x.  "
-                   f"There Horovod's background thread waits without polling "
-                   f"({gloo['other_cpu_s']:.3f} s of CPU a step), and the model thread's "
-                   f"{gloo['main_cpu_s']:.3f} s includes Horovod's own wait, which spins "
-                   f"(yielding) while the codes are out")
+        out["gloo"] = {k: gloo[k] for k in ("vs_none", "vs_fp16", "other_cpu_s", "main_cpu_s")}
     return out
 
 
-def tf_cpu_lines(gq: dict, none: dict | None, torch_gq: dict) -> list[str]:
-    """What TF's GQ8 row's CPU a step (all threads) says about its goal."""
-    if none is None:
-        return []
-    step, cpu, compute = gq["median_s"], gq["process_cpu_s"], gq["compute_cpu_s"]
-    need = none["median_s"] / (0.85 * torch_gq["vs_none"])
-    return [f"- TF GQ8, CPU a step: {cpu:.3f} s over all threads (mean over ranks) against a "
-            f"step of {step:.3f} s (the model alone {compute:.3f} s of CPU): the rank's one "
-            f"core is busy {100 * cpu / step:.0f}% of the step.  Within 15% of PyTorch's none/GQ8 "
-            f"needs a step <= {need:.3f} s, which leaves {need - compute:.3f} s of CPU a step "
-            f"for Horovod's threads and GlobalQSGD together, against {cpu - compute:.3f} s "
-            f"measured"]
-
-
-def cpu_cap_lines(gq: dict, none_s: float, fp16_s: float) -> list[str]:
-    """What the CPU split of PyTorch's GQ8 row says about the goals on one core per rank."""
-    main, other, compute = gq["main_cpu_s"], gq["other_cpu_s"], gq["compute_cpu_s"]
-    own = main - compute  # GlobalQSGD's kernels and Horovod's hooks on the model thread
-    lines = [f"- PyTorch GQ8, CPU a step: the model thread {main:.3f} s (the model alone "
-             f"{compute:.3f} s, so GlobalQSGD and Horovod's hooks {own:.3f} s), Horovod's "
-             f"threads {other:.3f} s (its background thread busy-polls in MPI while codes "
-             f"are on the wire: {gq['wire']:.3f} s at this rate).  On one core per rank the two "
-             f"add up to the step ({main + other:.3f} s against a mean step of "
-             f"{gq['mean_s']:.3f} s): each second Horovod's thread polls is a second the model "
-             f"thread waits, so here the codes' transfer adds to the model thread's work "
-             f"instead of hiding behind it."]
-    for what, base, goal in (("none/GQ8", none_s, 3.2), ("fp16/GQ8", fp16_s, 1.7)):
-        budget = base / goal - compute - other
-        lines.append(f"- {what} >= {goal}x needs a step <= {base / goal:.3f} s: with the model "
-                     f"and Horovod's threads as measured, GlobalQSGD's own work could take "
-                     f"{budget:.3f} s a step at most, against {own:.3f} s measured")
-    return lines
+def goal_lines(deep: list[dict]) -> list[str]:
+    """goals(deep), in words, for the page."""
+    g = goals(deep)
+    out = [f"Goals at 2 hosts and 1 Gbit/s: {GOALS}."]
+    if not g:
+        return out
+    for r in g["ratios"]:
+        out.append(f"- {r['what']}: PyTorch {r['torch']:.2f}x (goal {r['goal']}x: "
+                   f"{'met' if r['met'] else 'not met'}), TF {r['tf']:.2f}x "
+                   f"({100 * r['tf_vs_torch']:+.0f}% against PyTorch's; goal within "
+                   f"{100 * TF_WITHIN:.0f}%: {'met' if r['tf_close'] else 'not met'})")
+    if "bucketed" in g:
+        b = g["bucketed"]
+        out.append(f"- PyTorch GQ8 default against `bucket_bytes=0`: {b['faster']:.2f}x "
+                   f"faster; default at {b['of_floor']:.2f}x of its floor (compute "
+                   f"{b['compute']:.3f} s, wire {b['wire']:.3f} s)")
+    if "cpu" in g:
+        c = g["cpu"]
+        out.append(
+            f"- PyTorch GQ8, CPU a step: the model thread {c['main']:.3f} s (the model alone "
+            f"{c['compute']:.3f} s, so GlobalQSGD and Horovod's hooks {c['own']:.3f} s), "
+            f"Horovod's threads {c['other']:.3f} s (its background thread busy-polls in MPI "
+            f"while codes are on the wire: {c['wire']:.3f} s at this rate).  On one core per "
+            f"rank the two add up to the step ({c['main'] + c['other']:.3f} s against a mean "
+            f"step of {c['mean_s']:.3f} s): each second Horovod's thread polls is a second the "
+            f"model thread waits, so here the codes' transfer adds to the model thread's work "
+            f"instead of hiding behind it.")
+        for what, b in c["budgets"].items():
+            out.append(f"- {what} >= {b['goal']}x needs a step <= {b['step']:.3f} s: with the "
+                       f"model and Horovod's threads as measured, GlobalQSGD's own work could "
+                       f"take {b['own_allowed']:.3f} s a step at most, against {c['own']:.3f} s "
+                       f"measured")
+    if "tf_cpu" in g:
+        t = g["tf_cpu"]
+        out.append(
+            f"- TF GQ8, CPU a step: {t['cpu']:.3f} s over all threads (mean over ranks) against "
+            f"a step of {t['step']:.3f} s (the model alone {t['compute']:.3f} s of CPU): the "
+            f"rank's one core is busy {100 * t['busy']:.0f}% of the step.  Within "
+            f"{100 * TF_WITHIN:.0f}% of PyTorch's none/GQ8 needs a step <= {t['need_step']:.3f} "
+            f"s, which leaves {t['left']:.3f} s of CPU a step for Horovod's threads and "
+            f"GlobalQSGD together, against {t['measured']:.3f} s measured")
+    if "gloo" in g:
+        w = g["gloo"]
+        out.append(f"- The same PyTorch job under `horovodrun --gloo` (Horovod's Gloo "
+                   f"controller; the goals above are measured under mpirun, as in the issue): "
+                   f"none/GQ8 {w['vs_none']:.2f}x, fp16/GQ8 {w['vs_fp16']:.2f}x.  "
+                   f"There Horovod's background thread waits without polling "
+                   f"({w['other_cpu_s']:.3f} s of CPU a step), and the model thread's "
+                   f"{w['main_cpu_s']:.3f} s includes Horovod's own wait, which spins "
+                   f"(yielding) while the codes are out")
+    return out
 
 
 def shallow_rows(net: EmulatedHosts, args: argparse.Namespace) -> list[str]:

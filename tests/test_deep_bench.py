@@ -48,7 +48,11 @@ def test_cpu_split_gives_the_busy_thread_its_own_cpu() -> None:
     assert split["main_cpu_s"] <= 0.02
 
 
-def test_goal_lines_budget_the_compressors_own_cpu() -> None:
+def _ratio(g: dict, what: str) -> dict:
+    return next(r for r in g["ratios"] if r["what"] == what)
+
+
+def test_goals_budget_the_compressors_own_cpu() -> None:
     torch_rows = [_row("compute", 0.095, main=0.060, other=0.030),
                   _row("none", 0.640, main=0.100, other=0.560),
                   _row("fp16", 0.400, main=0.070, other=0.330),
@@ -59,19 +63,22 @@ def test_goal_lines_budget_the_compressors_own_cpu() -> None:
                                 "PyTorch", 2, "1gbit")
             + deep_bench.annotate([dict(r, what="tf_deep_" + r["what"][5:]) for r in tf_rows],
                                   "TF", 2, "1gbit"))
-    lines = deep_bench.goal_lines(deep)
-    text = "\n".join(lines)
-    assert "PyTorch 2.56x (goal 3.2x: not met), TF 2.00x (-22% against PyTorch's; goal " \
-           "within 15%: not met)" in text
-    assert "model thread 0.120 s (the model alone 0.060 s, so GlobalQSGD and Horovod's " \
-           "hooks 0.060 s), Horovod's threads 0.135 s" in text
+    g = deep_bench.goals(deep)
+    none = _ratio(g, "none/GQ8")
+    assert none["torch"] == pytest.approx(0.640 / 0.250) and not none["met"]
+    assert none["tf"] == pytest.approx(2.0) and not none["tf_close"]  # 22% below PyTorch's
+    cpu = g["cpu"]
+    assert (cpu["main"], cpu["compute"], cpu["other"]) == (0.120, 0.060, 0.135)
+    assert cpu["own"] == pytest.approx(0.060)
     # 3.2x: a step of 0.640 / 3.2 = 0.200 s, less the model's 0.060 and Horovod's 0.135
-    assert "needs a step <= 0.200 s: with the model and Horovod's threads as measured, " \
-           "GlobalQSGD's own work could take 0.005 s a step at most, against 0.060 s" in text
+    assert cpu["budgets"]["none/GQ8"]["step"] == pytest.approx(0.200)
+    assert cpu["budgets"]["none/GQ8"]["own_allowed"] == pytest.approx(0.005)
     # 1.7x: 0.400 / 1.7 = 0.235 s, less the same 0.195 s
-    assert "needs a step <= 0.235 s" in text and "could take 0.040 s a step" in text
+    assert cpu["budgets"]["fp16/GQ8"]["own_allowed"] == pytest.approx(0.400 / 1.7 - 0.195)
+    assert "tf_cpu" not in g and "gloo" not in g
     table = deep_bench.deep_table(deep)
     assert "| 0.120 + 0.135 |" in table[4] and "| - |" in table[-1]
+    assert len(deep_bench.goal_lines(deep)) == 1 + 2 + 1 + 2  # header, ratios, CPU, budgets
 
 
 def test_tf_rows_report_their_process_cpu_against_the_goal() -> None:
@@ -83,30 +90,28 @@ def test_tf_rows_report_their_process_cpu_against_the_goal() -> None:
     deep = (deep_bench.annotate(torch_rows, "PyTorch", 2, "1gbit")
             + deep_bench.annotate([dict(r, what="tf_" + r["what"]) for r in tf_rows], "TF",
                                   2, "1gbit"))
-    text = "\n".join(deep_bench.goal_lines(deep))
+    tf = deep_bench.goals(deep)["tf_cpu"]
     # within 15% of PyTorch's 2.56x: a step of 0.6 / (0.85 * 2.56) = 0.276 s, less the
     # model's 0.1 s of CPU; measured beyond the model: 0.28 - 0.1
-    assert "TF GQ8, CPU a step: 0.280 s over all threads (mean over ranks) against a step " \
-           "of 0.300 s (the model alone 0.100 s of CPU): the rank's one core is busy 93%" in text
-    assert "needs a step <= 0.276 s, which leaves 0.176 s of CPU a step for Horovod's " \
-           "threads and GlobalQSGD together, against 0.180 s measured" in text
+    assert tf["need_step"] == pytest.approx(0.6 / (0.85 * 0.640 / 0.250))
+    assert tf["left"] == pytest.approx(tf["need_step"] - 0.1)
+    assert tf["measured"] == pytest.approx(0.180) and tf["busy"] == pytest.approx(0.28 / 0.3)
     assert "| 0.280 (all threads) |" in deep_bench.deep_table(deep)[-1]
 
 
-def test_goal_lines_say_met_when_a_goal_is() -> None:
+def test_goals_are_met_when_the_ratios_reach_them() -> None:
     torch_rows = [_row("compute", 0.06), _row("none", 0.64), _row("fp16", 0.40),
                   _row("gqsgd8", 0.19, payload=16 * 2**20)]
     deep = deep_bench.annotate(torch_rows, "PyTorch", 2, "1gbit") + deep_bench.annotate(
         [dict(r, what="tf_" + r["what"]) for r in torch_rows], "TF", 2, "1gbit")
-    text = "\n".join(deep_bench.goal_lines(deep))
-    assert "PyTorch 3.37x (goal 3.2x: met), TF 3.37x (+0% against PyTorch's; goal within " \
-           "15%: met)" in text
-    assert "fp16/GQ8: PyTorch 2.11x (goal 1.7x: met)" in text
-    assert "CPU a step" not in text  # no CPU split measured: no budget lines
+    g = deep_bench.goals(deep)
+    assert all(r["met"] and r["tf_close"] for r in g["ratios"])
+    assert _ratio(g, "fp16/GQ8")["torch"] == pytest.approx(0.40 / 0.19)
+    assert "cpu" not in g and "tf_cpu" not in g  # no CPU split measured: no budgets
     assert pytest.approx(deep[0]["wire"]) == 2 * 0.5 * 64 * 2**20 * 8 / 1e9
 
 
-def test_gloo_rows_get_their_own_line_and_stay_out_of_the_goals() -> None:
+def test_gloo_rows_get_their_own_entry_and_stay_out_of_the_goals() -> None:
     mpi = [_row("compute", 0.06), _row("none", 0.64), _row("fp16", 0.40),
            _row("gqsgd8", 0.25, payload=16 * 2**20)]
     gloo = [_row("compute", 0.06, main=0.06, other=0.0), _row("none", 0.64, main=0.5),
@@ -116,10 +121,18 @@ def test_gloo_rows_get_their_own_line_and_stay_out_of_the_goals() -> None:
             + deep_bench.annotate([dict(r, what="tf_" + r["what"]) for r in mpi], "TF", 2,
                                   "1gbit")
             + deep_bench.annotate(gloo, deep_bench.GLOO, 2, "1gbit"))
-    text = "\n".join(deep_bench.goal_lines(deep))
-    assert "none/GQ8: PyTorch 2.56x (goal 3.2x: not met)" in text  # mpirun's, not Gloo's
-    assert "under `horovodrun --gloo`" in text and "none/GQ8 2.91x, fp16/GQ8 2.00x" in text
-    assert "(0.040 s of CPU a step), and the model thread's 0.180 s" in text
+    g = deep_bench.goals(deep)
+    assert _ratio(g, "none/GQ8")["torch"] == pytest.approx(0.64 / 0.25)  # mpirun's, not Gloo's
+    assert g["gloo"]["vs_none"] == pytest.approx(0.64 / 0.22)
+    assert g["gloo"]["vs_fp16"] == pytest.approx(0.44 / 0.22)
+    assert (g["gloo"]["other_cpu_s"], g["gloo"]["main_cpu_s"]) == (0.04, 0.18)
+
+
+def test_goals_need_both_frameworks_rows() -> None:
+    deep = deep_bench.annotate([_row("compute", 0.06), _row("none", 0.64), _row("fp16", 0.40),
+                                _row("gqsgd8", 0.25)], "PyTorch", 2, "1gbit")
+    assert deep_bench.goals(deep) == {}
+    assert len(deep_bench.goal_lines(deep)) == 1
 
 
 WORKER = """
