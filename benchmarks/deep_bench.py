@@ -209,8 +209,8 @@ def goals(deep: list[dict]) -> dict:
         main, other = torch_gq["main_cpu_s"], torch_gq["other_cpu_s"]
         compute = torch_gq["compute_cpu_s"]
         budgets = {}
-        for what, base, goal in (("none/GQ8", none["median_s"], 3.2),
-                                 ("fp16/GQ8", fp16["median_s"], 1.7)):
+        for what, key, goal in GOAL_RATIOS:
+            base = {"vs_none": none, "vs_fp16": fp16}[key]["median_s"]
             budgets[what] = {"goal": goal, "step": base / goal,
                              "own_allowed": base / goal - compute - other}
         out["cpu"] = {"main": main, "other": other, "compute": compute,
