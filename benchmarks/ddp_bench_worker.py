@@ -153,19 +153,30 @@ def run_horovod(name: str, task: Task, args) -> dict:
             "loss_end": task.held_out_loss(net)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("ddp", "horovod"), default="ddp")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+def task_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The task's and the timing's options (this worker's and fsdp_bench_worker.py's),
+    parsed."""
     parser.add_argument("--width", type=int, default=2048)  # 2 x 2048 x 4096 ~ 64 MB fp32
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def rank_and_size() -> tuple[int, int]:
+    """This process's rank and the world size, under mpirun or torchrun."""
     env = os.environ
-    rank = int(env.get("OMPI_COMM_WORLD_RANK", env.get("RANK", "0")))
-    size = int(env.get("OMPI_COMM_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
+    return (int(env.get("OMPI_COMM_WORLD_RANK", env.get("RANK", "0"))),
+            int(env.get("OMPI_COMM_WORLD_SIZE", env.get("WORLD_SIZE", "1"))))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=("ddp", "horovod"), default="ddp")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    args = task_args(parser)
+    rank, size = rank_and_size()
     torch.set_num_threads(1)
     task = Task(args.width, args.batch, rank)
     if args.mode == "horovod":

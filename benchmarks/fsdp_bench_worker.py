@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 
 import torch
 import torch.distributed as dist
-from ddp_bench_worker import Task, model, timed_steps
+from ddp_bench_worker import Task, model, rank_and_size, task_args, timed_steps
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -108,15 +107,8 @@ def run(name: str, task: Task, args, mesh, n: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--width", type=int, default=2048)  # 2 x 2048 x 4096 ~ 64 MB fp32
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.5)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=8)
-    args = parser.parse_args()
-    env = os.environ
-    rank = int(env.get("OMPI_COMM_WORLD_RANK", env.get("RANK", "0")))
-    size = int(env.get("OMPI_COMM_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
+    args = task_args(parser)
+    rank, size = rank_and_size()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=size)
     mesh = init_device_mesh("cpu", (size,))

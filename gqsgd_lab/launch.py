@@ -48,10 +48,11 @@ def run(worker: str, controller: str, n: int, *args: str,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
-def launch(worker: str, controller: str, n: int, out: Path,
+def launch(worker: str, controller: str, n: int, out: Path, *args: str,
            env: dict[str, str] | None = None) -> list[dict]:
-    """Run ``worker`` on ``n`` ranks; it must write ``rank{r}.pkl`` into ``out``."""
-    proc = run(worker, controller, n, str(out), env=env)
+    """Run ``worker`` on ``n`` ranks with ``out`` and ``args`` as its arguments; it must write
+    ``rank{r}.pkl`` into ``out``."""
+    proc = run(worker, controller, n, str(out), *args, env=env)
     if proc.returncode != 0:
         raise AssertionError(
             f"{controller} job with {n} ranks failed (exit {proc.returncode}):\n"

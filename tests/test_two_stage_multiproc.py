@@ -10,13 +10,12 @@ own and must stay within the rounding bound and be bit-identical on every rank.
 from __future__ import annotations
 
 import math
-import pickle
 
 import numpy as np
 import pytest
 
 from gqsgd_lab.inputs import TWO_STAGE_NUMELS, TWO_STAGE_SEED, two_stage_input
-from gqsgd_lab.launch import run
+from gqsgd_lab.launch import launch
 from gqsgd_lab.rotation_oracle import forward, inverse
 from gqsgd_lab.two_stage_oracle import predicted_variance, segment_ids, simulate, stage_levels
 from hvd_gqsgd import core, kernels
@@ -34,17 +33,8 @@ def _job(config, tmp_path_factory):
     if config not in _JOBS:
         framework, controller, n, only = config
         out = tmp_path_factory.mktemp(f"two-stage-{framework}-{controller}-{n}")
-        proc = run("two_stage_checks.py", controller, n, str(out), framework,
-                   *([only] if only else []))
-        if proc.returncode != 0:
-            raise AssertionError(f"{config} failed (exit {proc.returncode}):\n"
-                                 f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-        results = []
-        for r in range(n):
-            with open(out / f"rank{r}.pkl", "rb") as f:
-                results.append(pickle.load(f))
-        assert [r["size"] for r in results] == [n] * n
-        _JOBS[config] = results
+        _JOBS[config] = launch("two_stage_checks.py", controller, n, out, framework,
+                               *([only] if only else []))
     return _JOBS[config]
 
 
