@@ -11,13 +11,15 @@ Memory is the process's resident set: the peak (``VmHWM``, reset through
 ``/proc/self/clear_refs``) during the round minus the resident set just before it, after
 two warm-up rounds.  Buffers of 128 KiB and more are mmapped (``mallopt``) and the heap is
 trimmed before each round (``malloc_trim``), so memory freed earlier is not counted as in
-use and what a round frees leaves the resident set at once.  Rank 0 prints one JSON line.
+use and what a round frees leaves the resident set at once; garbage is collected before
+each round for the same reason.  Rank 0 prints one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import os
 
@@ -40,7 +42,8 @@ def _status(field: str) -> int:
 
 def added_bytes(round_fn) -> int:
     """Peak resident bytes that ``round_fn()`` adds to what is resident before it."""
-    _LIBC.malloc_trim(0)
+    gc.collect()  # an earlier round's output still held by a reference cycle would be freed
+    _LIBC.malloc_trim(0)  # during this round and hide what this round allocates
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current resident set
     before = _status("VmRSS")
