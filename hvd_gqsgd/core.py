@@ -42,8 +42,9 @@ Rotation
 With ``Settings.rotation`` every full scale block is multiplied by a shared-seed randomized
 Walsh-Hadamard matrix before its norm is taken, and by the inverse after decoding, so that
 one large coordinate no longer sets the scale of the whole block.  The definition, which
-the fused kernels (``kernels.rotate_norms``, ``kernels.unrotate`` and the decode fused with
-it, ``kernels.Summed.unpack_bucket(..., rotation=)``), the generic path (:func:`rotate`, on
+the fused kernels (``kernels.rotate_norms``, ``kernels.unrotate`` and the decodes fused with
+it, ``kernels.Summed.unpack_bucket(..., rotation=)`` and two-stage's
+``kernels.Messages.unpack_parts(..., rotation=)``), the generic path (:func:`rotate`, on
 every framework's :class:`TensorOps`) and gqsgd_lab/rotation_oracle.py follow bit for bit in
 float32 and float64:
 

@@ -304,8 +304,9 @@ def _two_stage_finisher(state: GlobalQSGDState, pending: _TwoStageBucket,
             work.wait()
             local = state._local
             decoded = local.messages(gathered, pending.layout, pending.steps)
-            local.decode_into(decoded, pending.flat, 1.0 / pending.plan.world_size)
-            _into_buffer(state, pending.buffer, pending.flat, pending.counts, pending.rotation)
+            flat = local.decode_into(decoded, pending.flat, 1.0 / pending.plan.world_size,
+                                     rotation=pending.rotation)  # rotated back here
+            _into_buffer(state, pending.buffer, flat, pending.counts, None)
             state.end({"codes_wait_s": arrived - pending.launched,
                         "quantize_s": requantized + time.perf_counter() - arrived})
         except BaseException as e:  # handed to DDP, which raises it where it waits

@@ -487,6 +487,32 @@ if numba is not None:
                     buf[n + t] = numba.float64(codes[lo + t]) * scale
                 _inverse(buf, n, out, lo, n, numba.uint64(start) + lo, key, inv, buf, spare)
 
+    def _scale_unrotate_items(codes, seg_lo, seg_hi, seg_i0, seg_i1, item_lane, item_out,
+                              item_count, item_scale, out, block, key, start, inv):
+        # _scale_unrotate over work items (Messages): segment s is out[seg_lo[s]:seg_hi[s]],
+        # filled by items seg_i0[s] .. seg_i1[s], each as _scale_items forms it; a full
+        # block's items go into scratch, then _inverse, any other segment's straight to out
+        per, items = _groups(seg_lo.size, block)
+        n = numba.uint64(block)
+        for w in numba.prange(items):
+            buf, spare = np.empty(2 * block, out.dtype), np.empty(block, out.dtype)
+            for s in range(w * per, min((w + 1) * per, seg_lo.size)):
+                lo, hi = numba.uint64(seg_lo[s]), numba.uint64(seg_hi[s])
+                full = hi - lo == n
+                for i in range(seg_i0[s], seg_i1[s]):
+                    lane, o = numba.uint64(item_lane[i]), numba.uint64(item_out[i])
+                    scale = numba.float64(item_scale[i])
+                    if full:
+                        o = o - lo + n  # the upper half of buf
+                        for t in range(numba.uint64(item_count[i])):
+                            buf[o + t] = numba.float64(codes[lane + t]) * scale
+                    else:
+                        for t in range(numba.uint64(item_count[i])):
+                            out[o + t] = numba.float64(codes[lane + t]) * scale
+                if full:
+                    _inverse(buf, n, out, lo, n, numba.uint64(start) + lo, key, inv, buf,
+                             spare)
+
     def _unrotate(v, bounds, block, key, start, inv):
         per, items = _groups(bounds.size - 1, block)
         n = numba.uint64(block)
@@ -519,6 +545,7 @@ if numba is not None:
     _rotate_l2 = _twin(_rotate_l2)
     _unrotate = _twin(_unrotate)
     _scale_unrotate = _twin(_scale_unrotate)
+    _scale_unrotate_items = _twin(_scale_unrotate_items)
 
 
 # ranks that launchers start on one host: Open MPI, horovodrun (Gloo), torchrun, MPICH/Hydra
@@ -832,7 +859,7 @@ def unrotate(x: np.ndarray, counts: Sequence[int], block: int, key: int, start: 
          x.dtype.type(1.0 / block))
 
 
-def _window_segments(counts: Sequence[int], start: int, size: int, block: int
+def window_segments(counts: Sequence[int], start: int, size: int, block: int
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The segments of ``counts`` cut to the bucket elements ``start .. start + size``: their
     first and end elements (counted from ``start``) and their index.  Refuses a window that
@@ -1053,7 +1080,7 @@ class Summed:
             _run(_unpack_fields, out.size, self.words, self.bits, _offset(self.bits), codes)
         if rotation is not None:
             block, key = rotation
-            lo, hi, segment = _window_segments(counts, start, out.size, block)
+            lo, hi, segment = window_segments(counts, start, out.size, block)
             scale = np.asarray(scales, dtype=out.dtype)[segment]
             _run(_scale_unrotate, out.size, codes, lo, hi, scale, out, block, np.uint64(key),
                  start, out.dtype.type(1.0 / block))
@@ -1107,17 +1134,47 @@ class Messages:
         return self.words[self.items[5]].astype(np.float64)
 
     def unpack_parts(self, p0: int, p1: int, out: np.ndarray, scales: np.ndarray,
-                     start: int) -> None:
+                     start: int, rotation: tuple[int, int] | None = None) -> None:
         """Parts ``p0 .. p1`` (consecutive elements of the bucket, the first being bucket
         element ``start``) into ``out``: each code times its part's entry of ``scales``
-        (``p1 - p0`` values, taken in ``out``'s dtype)."""
+        (``p1 - p0`` values, taken in ``out``'s dtype).
+
+        ``rotation=(block, key)``: then the inverse rotation of every full block (a scale
+        segment of ``block`` elements), fused: each block is scaled into scratch,
+        transformed and written once; bit for bit :func:`unrotate` of the plain decode.
+        A full block must lie wholly inside the window (one that cuts it is refused)."""
         part, lane, pos, count, first, _ = self.items
         a, b = first[p0], first[p1]
         if a == b:
             return
         item_scale = np.asarray(scales).astype(out.dtype)[part[a:b] - p0]
-        _run(_scale_items, out.size, self.codes, lane[a:b], pos[a:b] - start, count[a:b],
-             item_scale, out)
+        if rotation is None:
+            _run(_scale_items, out.size, self.codes, lane[a:b], pos[a:b] - start, count[a:b],
+                 item_scale, out)
+            return
+        block, key = rotation
+        layout = self.layout
+        lo, hi, segment = window_segments(segment_counts(layout), start, out.size, block)
+        # each segment's items: those of its parts, cut to the window's
+        part_of = np.asarray(layout.first, dtype=np.int64)
+        i0 = np.clip(first[part_of[segment]], a, b) - a
+        i1 = np.clip(first[part_of[segment + 1]], a, b) - a
+        _run(_scale_unrotate_items, out.size, self.codes, lo, hi, i0, i1, lane[a:b],
+             pos[a:b] - start, count[a:b], item_scale, out, block, np.uint64(key), start,
+             out.dtype.type(1.0 / block))
+
+
+def segment_counts(layout: Any) -> tuple[int, ...]:
+    """The elements of each scale segment of a two-stage bucket: the sum of its parts'
+    counts, since the parts of a :class:`hvd_gqsgd.core.MessageLayout` tile the bucket in
+    order (made once per layout)."""
+    counts = layout.derived.get("segment_counts")
+    if counts is None:
+        edges = _bounds(layout.counts)
+        first = np.asarray(layout.first, dtype=np.int64)
+        counts = layout.derived["segment_counts"] = tuple(
+            (edges[first[1:]] - edges[first[:-1]]).tolist())
+    return counts
 
 
 def _message_items(layout: Any) -> tuple[np.ndarray, ...]:

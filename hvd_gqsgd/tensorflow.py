@@ -403,26 +403,16 @@ class TensorFlowBackend:
                        likes: Sequence[Any], reduced_probe: Any, world_size: int,
                        rotation: tuple[int, int] | None = None) -> Any:
         compute = tf.float64 if any(t.dtype == tf.float64 for t in likes) else tf.float32
-        if isinstance(state, _TwoStage):
-            out = state.rescale(compute, reduced_probe, world_size)
-        elif isinstance(state, _Words):
-            out = state.rescale(steps, counts, compute, reduced_probe, world_size)
-        else:
-            factor = self.probe_factor(reduced_probe, world_size)
-            out = tf.cast(state, compute) * tf.repeat(tf.cast(steps * factor, compute), counts)
+        if isinstance(state, _TwoStage):  # rotated back there
+            return state.rescale(compute, reduced_probe, world_size, rotation)
+        if isinstance(state, _Words):  # rotated back there too
+            return state.rescale(steps, counts, compute, reduced_probe, world_size, rotation)
+        # the TF-ops path (GPU): the summed codes themselves
+        factor = self.probe_factor(reduced_probe, world_size)
+        out = tf.cast(state, compute) * tf.repeat(tf.cast(steps * factor, compute), counts)
         if rotation is None:
             return out
-        block, key = rotation
-        if not _fused(out):
-            return core.rotate(self, out, counts, block, key, inverse=True)
-        sizes = list(counts)
-
-        def back(x: np.ndarray) -> np.ndarray:
-            x = x if x.flags.writeable else np.array(x)  # an eager tensor's view is read-only
-            kernels.unrotate(x, sizes, block, key)
-            return x
-
-        return _host(back, [out], compute, [_static_numel(out)])
+        return core.rotate(self, out, counts, *rotation, inverse=True)
 
     def rotate_norms(self, flat: Any, counts: Sequence[int], block: int, key: int, norm: str,
                      extra: Sequence[float]) -> tuple[Any, Any]:
@@ -580,31 +570,34 @@ class _Words:
         return _host(run, [words[first:stop], scale], compute, [numel])
 
     def rescale(self, steps: Any, counts: Sequence[int], compute: Any, reduced_probe: Any,
-                world_size: int) -> Any:
+                world_size: int, rotation: tuple[int, int] | None = None) -> Any:
         """The whole bucket, flat: the probe's check and factor, then each tensor's lane sums
-        times its segments' steps times the factor.
+        times its segments' steps times the factor; ``rotation=(block, key)``: rotated back.
 
-        One chunk (or eagerly): one host call.  Several chunks in a graph: one host call per
-        chunk, each runs as soon as its chunk's allreduce is done and writes its slice of one
-        output buffer, so unpacking overlaps the later chunks' time on the wire."""
+        One chunk (or eagerly): one host call, the inverse rotation fused into the decode.
+        Several chunks in a graph: one host call per chunk, each runs as soon as its chunk's
+        allreduce is done and writes its slice of one output buffer, so unpacking overlaps
+        the later chunks' time on the wire; the inverse rotation then follows in one more
+        host call (a chunk ends at a word boundary, which may cut a block)."""
         out_dtype, total, bits = compute.as_numpy_dtype, sum(counts), self.bits
 
         def scales_of(step: np.ndarray, probe: np.ndarray) -> np.ndarray:
             return step * core.check_probe(probe.tolist(), world_size)
 
-        def unpack(out: np.ndarray, words: np.ndarray, scales: np.ndarray, start: int) -> None:
+        def unpack(out: np.ndarray, words: np.ndarray, scales: np.ndarray, start: int,
+                   rotation: tuple[int, int] | None = None) -> None:
             # The summed words are this op's alone (the Sum allreduce's output, read by
             # nothing else), so the kernels may rewrite them in place, saving a copy of a
             # quarter of the gradient; an eager tensor's view is read-only and is copied.
             summed = kernels.Summed(words if words.flags.writeable else np.array(words), bits)
-            summed.unpack_bucket(out, counts, scales, start=start)
+            summed.unpack_bucket(out, counts, scales, start=start, rotation=rotation)
 
         if len(self.chunks) == 1 or tf.executing_eagerly():
             words = self.chunks[0] if len(self.chunks) == 1 else tf.concat(self.chunks, 0)
 
             def whole(words: np.ndarray, step: np.ndarray, probe: np.ndarray) -> np.ndarray:
                 out = kernels.host_array(total, out_dtype)
-                unpack(out, words, scales_of(step, probe), 0)
+                unpack(out, words, scales_of(step, probe), 0, rotation)
                 return out
 
             return _host(whole, [words, steps, reduced_probe], compute, [total])
@@ -631,8 +624,17 @@ class _Words:
             done.append(_host(one_chunk, [buffer, words, scales], tf.int64, []))
             start = stop
         # Every chunk's op feeds this one as data (ops that only a control dependency waits
-        # for are pruned); it hands the filled buffer on without copying it.
-        return _host(lambda out, *_: out, [buffer, *done], compute, [total])
+        # for are pruned); it hands the filled buffer on without copying it, rotated back in
+        # place with ``rotation``.
+        sizes = list(counts)
+
+        def filled(out: np.ndarray, *_: Any) -> np.ndarray:
+            if rotation is not None:
+                out = out if out.flags.writeable else np.array(out)
+                kernels.unrotate(out, sizes, *rotation)
+            return out
+
+        return _host(filled, [buffer, *done], compute, [total])
 
 
 class _TwoStage:
@@ -643,9 +645,11 @@ class _TwoStage:
                  steps1: Any) -> None:
         self.ops, self.gathered, self.layout, self.steps1 = ops, gathered, layout, steps1
 
-    def rescale(self, compute: Any, reduced_probe: Any, world_size: int) -> Any:
+    def rescale(self, compute: Any, reduced_probe: Any, world_size: int,
+                rotation: tuple[int, int] | None = None) -> Any:
         """The whole bucket, flat: every code times its part's step times the op's factor
-        (the probe, checked here as in flat Global-QSGD)."""
+        (the probe, checked here as in flat Global-QSGD); ``rotation=(block, key)``: rotated
+        back too, in the same host call when fused."""
         layout, out_dtype = self.layout, compute.as_numpy_dtype
         total = int(sum(layout.counts))
         segments = np.asarray(layout.segments, np.int64)
@@ -656,7 +660,7 @@ class _TwoStage:
                 steps = core.stage_two_steps(messages.part_max(), steps1[segments],
                                              layout.bits) * factor
                 out = kernels.host_array(total, out_dtype)
-                messages.unpack_parts(0, len(layout.counts), out, steps, 0)
+                messages.unpack_parts(0, len(layout.counts), out, steps, 0, rotation)
                 return out
 
             return _host(run, [self.gathered, self.steps1, reduced_probe], compute, [total])
@@ -672,4 +676,9 @@ class _TwoStage:
         every = core.unpack(self.ops, self.gathered, layout.bits,
                             _static_numel(self.gathered) * core.lanes_per_word(layout.bits))
         codes = tf.cast(tf.gather(every, position), compute)
-        return codes * tf.repeat(tf.cast(steps, compute), counts)
+        out = codes * tf.repeat(tf.cast(steps, compute), counts)
+        if rotation is None:
+            return out
+        block, key = rotation
+        return core.rotate(self.ops, out, list(kernels.segment_counts(layout)), block, key,
+                           inverse=True)

@@ -410,16 +410,15 @@ class TorchLocal(TorchOps):
             out = host_empty(total, host)
             state.unpack_bucket(out.numpy(), counts, (steps * factor).numpy(),
                                 rotation=rotation)
+        elif isinstance(state, TwoStageSums):  # here too, on CPU
+            out = self.decode_into(state, host_empty(total, host) if state.fused is not None
+                                   else torch.empty(total, dtype=compute, device=device),
+                                   factor, rotation=rotation)
         else:
-            if isinstance(state, TwoStageSums):
-                out = (host_empty(total, host) if state.fused is not None
-                       else torch.empty(total, dtype=compute, device=device))
-                self.decode_into(state, out, factor)
-            else:
-                out = torch.empty(total, dtype=compute, device=device)
-                generic.unpack_scaled(self, state.words, state.bits, out, counts,
-                                      self._tables.table(counts, device),
-                                      (steps * factor).to(compute))
+            out = torch.empty(total, dtype=compute, device=device)
+            generic.unpack_scaled(self, state.words, state.bits, out, counts,
+                                  self._tables.table(counts, device),
+                                  (steps * factor).to(compute))
             if rotation is not None:
                 out = self.unrotate(out, counts, *rotation)
         # every tensor's view in its shape, made here for the whole bucket
@@ -551,15 +550,19 @@ class TorchLocal(TorchOps):
                                                          layout.bits), gathered=gathered)
 
     def decode_into(self, state: TwoStageSums, out: Any, factor: float, p0: int = 0,
-                    p1: int | None = None) -> None:
+                    p1: int | None = None, rotation: tuple[int, int] | None = None) -> Any:
         """Parts ``p0 .. p1`` (default: all) of a two-stage bucket into the flat float32/64
-        ``out``, which they fill in order."""
+        ``out``, which they fill in order; returns the decoded tensor.  ``rotation=(block,
+        key)``: rotated back as well, fused into the decode on CPU (the result is ``out``);
+        on the torch-ops path the result is a new tensor (:meth:`unrotate`).  A window that
+        cuts a full block is refused (``ValueError``)."""
         layout = state.layout
         p1 = len(layout.counts) if p1 is None else p1
         scale = (state.steps[p0:p1] * factor).to(out.dtype)
+        start = sum(layout.counts[:p0])
         if state.fused is not None:
-            state.fused.unpack_parts(p0, p1, out.numpy(), scale.numpy(), sum(layout.counts[:p0]))
-            return
+            state.fused.unpack_parts(p0, p1, out.numpy(), scale.numpy(), start, rotation)
+            return out
         assert state.gathered is not None
         device = out.device
 
@@ -572,6 +575,12 @@ class TorchLocal(TorchOps):
                 [lane - start for lane, start in zip(layout.lanes, starts)], device=device))
 
         generic.decode_parts(state.gathered, layout, tables, scale, p0, p1, out)
+        if rotation is None:
+            return out
+        block, _ = rotation
+        lo, hi, _ = kernels.window_segments(kernels.segment_counts(layout), start,
+                                            out.numel(), block)
+        return self.unrotate(out, (hi - lo).tolist(), *rotation, start=start)
 
 
 def _derived(layout: core.MessageLayout, key: Any, make: Any) -> Any:

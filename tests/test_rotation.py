@@ -236,6 +236,116 @@ def test_decode_fused_with_the_inverse_by_windows():
             rotation=(block, KEY))
 
 
+def _gathered(n, bits, block, dtype, seed=0):
+    """A two-stage bucket's layout at ``n`` ranks and gathered words of random stage-2 codes,
+    each part's slot a positive max; the plain decode of every part, and its scales."""
+    numels = [5 * block + 3, block, 7, 3 * block]
+    counts, _ = core.segments(numels, block)
+    plan = core.two_stage_plan(counts, n, bits)
+    layout = core.message_layout([(plan, 0, 0)], plan.gather_words, len(counts))
+    rng = np.random.default_rng(seed + bits + block)
+    lanes = plan.gather_words * core.lanes_per_word(bits)
+    words = core.pack(NP, rng.integers(-plan.levels2, plan.levels2 + 1, size=lanes), bits)
+    words[list(layout.slots)] = rng.integers(1, 100, size=len(layout.slots))
+    scales = rng.random(len(layout.counts)).astype(dtype)
+    plain = np.empty(sum(counts), dtype)
+    kernels.Messages(words, layout).unpack_parts(0, len(layout.counts), plain, scales, 0)
+    return counts, layout, words, scales, plain
+
+
+@pytest.mark.parametrize("n, bits", [(2, 4), (5, 4), (3, 8)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [2, 64, 1024])
+def test_two_stage_decode_fused_with_the_inverse_matches_oracle(n, bits, dtype, block):
+    # Messages.unpack_parts(rotation=) against the oracle's inverse of the plain decode
+    counts, layout, words, scales, plain = _gathered(n, bits, block, dtype)
+    if block >= 64:  # shard edges (at word boundaries) cut segments into several parts
+        assert len(layout.counts) > len(counts)
+    assert kernels.segment_counts(layout) == tuple(counts)
+    fused = np.empty_like(plain)
+    kernels.Messages(words, layout).unpack_parts(0, len(layout.counts), fused, scales, 0,
+                                                 (block, KEY))
+    _same_bits(fused, oracle.inverse(plain, counts, block, KEY))
+
+
+def test_two_stage_decode_fused_with_the_inverse_by_windows():
+    # parts that are whole segments decode on their own, keyed by their bucket index; a
+    # window whose first part starts inside a full block is refused
+    block = 64
+    counts, layout, words, scales, plain = _gathered(4, 4, block, np.float32)
+    whole = oracle.inverse(plain, counts, block, KEY)
+    messages = kernels.Messages(words, layout)
+    g0, g1 = 2, 7
+    p0, p1 = layout.first[g0], layout.first[g1]
+    start, stop = sum(counts[:g0]), sum(counts[:g1])
+    window = np.empty(stop - start, np.float32)
+    messages.unpack_parts(p0, p1, window, scales[p0:p1], start, (block, KEY))
+    _same_bits(window, whole[start:stop])
+    cut = next(p for p in range(1, len(layout.counts))
+               if layout.segments[p] == layout.segments[p - 1]
+               and counts[layout.segments[p]] == block)
+    at = sum(layout.counts[:cut])
+    with pytest.raises(ValueError, match=f"cut the full block at element "
+                                         f"{block * layout.segments[cut]}"):
+        messages.unpack_parts(cut, len(layout.counts), np.empty(plain.size - at, np.float32),
+                              scales[cut:], at, (block, KEY))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_torch_two_stage_decode_rotates_back(fused):
+    # TorchLocal.decode_into(rotation=): the kernels on CPU, decode then core.rotate on the
+    # torch-ops path; both the oracle's inverse of the plain decode, whole and by windows
+    import torch
+
+    from hvd_gqsgd.torch_ops import TorchLocal, TwoStageSums
+
+    block = 64
+    counts, layout, words, scales, plain = _gathered(3, 4, block, np.float64)
+    local = TorchLocal(0)
+    if not fused:
+        local._fused = lambda t: False  # the torch-ops path, as on CUDA
+    steps = torch.from_numpy(scales)
+    state = (TwoStageSums(layout, steps, fused=kernels.Messages(words, layout)) if fused
+             else TwoStageSums(layout, steps, gathered=torch.from_numpy(words)))
+    out = torch.empty(plain.size, dtype=torch.float64)
+    got = local.decode_into(state, out, 1.0, rotation=(block, KEY))
+    assert (got is out) == fused
+    whole = oracle.inverse(plain, counts, block, KEY)
+    _same_bits(got.numpy(), whole)
+    p0, p1 = layout.first[1], layout.first[6]
+    start = sum(counts[:1])
+    window = local.decode_into(state, torch.empty(sum(counts[1:6]), dtype=torch.float64), 1.0,
+                               p0, p1, rotation=(block, KEY))
+    _same_bits(window.numpy(), whole[start:start + window.numel()])
+
+
+def test_tensorflow_two_stage_rescale_rotates_back(monkeypatch):
+    # _TwoStage.rescale(rotation=): fused in its host call, eagerly and traced, and on the
+    # TF-ops path; all the oracle's inverse of the plain decode
+    import tensorflow as tf
+
+    import hvd_gqsgd.tensorflow as adapter
+
+    block, n = 64, 3
+    counts, layout, words, _, _ = _gathered(n, 4, block, np.float32)
+    ops = adapter.TensorFlowBackend(seed=0)
+    steps1 = np.random.default_rng(1).random(len(counts))
+    probe = tf.constant([1.0 * n, n * (n + 1) / 2], tf.float64)
+    likes = [tf.zeros([c]) for c in counts]
+
+    def decode(rotation):
+        state = adapter._TwoStage(ops, tf.constant(words), layout, tf.constant(steps1))
+        return ops.rescale_bucket(state, None, counts, likes, probe, n, rotation)
+
+    plain = decode(None).numpy()
+    want = oracle.inverse(plain, counts, block, KEY)
+    _same_bits(decode((block, KEY)).numpy(), want)
+    _same_bits(tf.function(lambda: decode((block, KEY)))().numpy(), want)
+    monkeypatch.setattr(adapter, "_fused", lambda t: False)
+    _same_bits(decode(None).numpy(), plain)
+    _same_bits(decode((block, KEY)).numpy(), want)
+
+
 # ----------------------------------------------------------------------------- generic path
 
 

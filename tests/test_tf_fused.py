@@ -164,6 +164,40 @@ def test_rescale_a_bucket_sent_in_chunks(mode, bits, block, chunk_bytes):
                                       want[lo:lo + numels[i]].astype(np.float32))
 
 
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("chunk_bytes", [0, 16])
+def test_rescale_rotates_back_whole_and_in_chunks(mode, chunk_bytes):
+    """With a rotation the decoded bucket is rotated back: fused into the decode of a whole
+    bucket, after the last chunk's unpack for chunks (which cut blocks); both the oracle's
+    inverse of the plain decode, bit for bit."""
+    from gqsgd_lab import rotation_oracle as oracle
+
+    ops, bits, block = _backend(), 4, 8
+    numels = [15, 90, 70]
+    counts, _ = core.segments(numels, block)
+    codes = np.random.default_rng(3).integers(-7, 8, sum(numels))
+    words = core.pack(NP, codes, bits)
+    lanes = core.lanes_per_word(bits)
+    plan = core.chunk_plan(counts, bits, chunk_bytes) if chunk_bytes else []
+    chunks = [words[c.lo // lanes:-(-c.hi // lanes)] for c in plan] or [words]
+    assert (len(chunks) >= 3) == bool(chunk_bytes)
+    assert any(c.hi % block for c in plan) == bool(chunk_bytes)  # chunks that cut a block
+    steps = np.linspace(0.5, 2.0, len(counts))
+    probe = tf.constant([0.25, 0.375], tf.float64)  # factor 1/8
+    key = core.rotation_key(3, 0, 1)
+    likes = [tf.zeros([k]) for k in numels]
+
+    def rescale(parts):
+        state = ops.decoder([tf.convert_to_tensor(p) for p in parts], bits, sum(numels))
+        return ops.rescale_bucket(state, tf.constant(steps), counts, likes, probe, 2,
+                                  (block, key))
+
+    run = rescale if mode == "eager" else tf.function(rescale, autograph=False)
+    plain = (codes * np.repeat((steps * 0.125).astype(np.float32), counts)).astype(np.float32)
+    want = oracle.inverse(plain, counts, block, key)
+    np.testing.assert_array_equal(run(chunks).numpy().view(np.uint32), want.view(np.uint32))
+
+
 @pytest.mark.parametrize("nice", ["0", "7"])
 def test_later_chunks_in_a_graph_quantize_behind_the_wire(monkeypatch, nice):
     """Inside tf.function a bucket's chunks after the first go through its WireWatch (the
