@@ -103,6 +103,9 @@ def tf_fns(n: int, bits: int) -> Fns:
 ROUND_TRIP = "kernels round trip"
 ROTATED = "kernels round trip, rotated"
 FUSED = "kernels round trip, rotated, decode fused with the inverse"
+TWO_STAGE = "two-stage round trip"
+TWO_ROTATED = "two-stage round trip, rotated"
+TWO_FUSED = "two-stage round trip, rotated, decode fused with the inverse"
 
 
 def rotation_fns(n: int, bits: int) -> Fns:
@@ -134,6 +137,56 @@ def rotation_fns(n: int, bits: int) -> Fns:
             FUSED: functools.partial(round_trip, True, True)}
 
 
+def two_stage_fns(n: int, bits: int, ranks: int = 2) -> Fns:
+    """One rank's local work in a two-stage round of one ``n``-element float32 bucket over
+    ``ranks`` ranks, on the torch backend's kernels (:class:`TorchLocal`): the norms (with
+    the forward rotation when rotated), the stage-1 encode of the whole bucket, the
+    requantize of its own shard of the summed words and the decode of every rank's message
+    (the collectives' results made once beforehand: the other ranks' gradients are this
+    one's, with their own noise).  Without the rotation, rotated with the inverse after the
+    decode (:meth:`TorchLocal.unrotate`), and with the inverse fused into it."""
+    import torch
+
+    from hvd_gqsgd import two_stage
+    from hvd_gqsgd.torch_ops import TorchLocal, host_empty
+
+    block = core.DEFAULT_SCALE_BLOCK
+    counts = core.segments([n], block)[0]
+    plan, layout = two_stage.plan_of(("cpu_cost", n), counts, ranks, bits)
+    local = TorchLocal(0)
+    x = torch.from_numpy(np.random.default_rng(0).normal(size=n).astype(np.float32))
+    key = core.rotation_key(0, 0, 1)
+    q = plan.shard_words
+
+    def stage_one(rotate: bool, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        flat, norms = ((local.rotate_norms(x, counts, block, key, "max", [])) if rotate
+                       else (x, local.local_norms(None, x, counts, "max", [])))
+        mult = core.multipliers(local, norms, plan.levels1)
+        return local.encode(flat, mult, counts, plan.levels1, plan.lane_bits, rank,
+                            pad_to=plan.scatter_words), norms
+
+    # the collectives' results: the words summed over the ranks, every rank's message
+    results = {}
+    for rotate in (False, True):
+        summed = sum(stage_one(rotate, r)[0] for r in range(ranks))
+        results[rotate] = torch.cat([two_stage.requantize(
+            local, summed[r * q:(r + 1) * q].clone(), plan, r, r) for r in range(ranks)]), summed
+
+    def round_trip(rotate: bool, fused: bool = False) -> None:
+        _, norms = stage_one(rotate, 0)
+        gathered, summed = results[rotate]
+        two_stage.requantize(local, summed[:q].clone(), plan, 0, 0)
+        state = local.messages(gathered, layout, core.step_sizes(local, norms, plan.levels1))
+        out = local.decode_into(state, host_empty(n, np.float32), 1 / ranks,
+                                rotation=(block, key) if fused else None)
+        if rotate and not fused:
+            local.unrotate(out, counts, block, key)
+
+    return {TWO_STAGE: functools.partial(round_trip, False),
+            TWO_ROTATED: functools.partial(round_trip, True),
+            TWO_FUSED: functools.partial(round_trip, True, True)}
+
+
 def rotation_report(mb: int, bits: int, repeats: int) -> str:
     """The kernels' round trip without and with the rotation, against ``torch.add``, all in
     this thread's CPU time (every one of them runs on this thread alone, and unlike wall
@@ -144,14 +197,22 @@ def rotation_report(mb: int, bits: int, repeats: int) -> str:
     torch.set_num_threads(1)
     n = mb * 2**20 // 4
     x, y, out = torch.randn(n), torch.randn(n), torch.empty(n)
-    fns: Fns = {"add": lambda: torch.add(x, y, out=out), **rotation_fns(n, bits)}
+    fns: Fns = {"add": lambda: torch.add(x, y, out=out), **rotation_fns(n, bits),
+                **two_stage_fns(n, bits)}
     t = median_times(fns, repeats, clock=time.thread_time)
-    t_add, plain = t["add"], t[ROUND_TRIP]
-    return (f"kernels, {mb} MB fp32, bits={bits}, 1 thread, thread CPU time: add "
-            f"{1e3 * t_add:.1f} ms, round trip {1e3 * plain:.1f} ms ({plain / t_add:.2f} "
-            f"passes), rotated {1e3 * t[ROTATED]:.1f} ms (+{(t[ROTATED] - plain) / t_add:.2f} "
-            f"passes), decode fused with the inverse {1e3 * t[FUSED]:.1f} ms "
-            f"(+{(t[FUSED] - plain) / t_add:.2f} passes; goal: at most +1.5)")
+    t_add = t["add"]
+    lines = [f"kernels, {mb} MB fp32, bits={bits}, 1 thread, thread CPU time: add "
+             f"{1e3 * t_add:.1f} ms"]
+    for name, plain, rotated, fused in (("flat", ROUND_TRIP, ROTATED, FUSED),
+                                        ("two-stage (2 ranks, one rank's share)", TWO_STAGE,
+                                         TWO_ROTATED, TWO_FUSED)):
+        base = t[plain]
+        lines.append(
+            f"{name}: round trip {1e3 * base:.1f} ms ({base / t_add:.2f} passes), rotated "
+            f"{1e3 * t[rotated]:.1f} ms (+{(t[rotated] - base) / t_add:.2f} passes), decode "
+            f"fused with the inverse {1e3 * t[fused]:.1f} ms "
+            f"(+{(t[fused] - base) / t_add:.2f} passes; goal: at most +1.5)")
+    return "\n".join(lines)
 
 
 def measure(framework: str, mb: int, bits: int, repeats: int) -> dict[str, float]:
