@@ -7,6 +7,7 @@ in the same process.
     python benchmarks/cpu_cost.py --framework tf         # TensorFlow, hvd.allreduce in tf.function
     python benchmarks/cpu_cost.py --framework both       # both (one process each), and TF / torch
     python benchmarks/cpu_cost.py --rotation --bits 4    # the kernels' round trip, rotated
+    python benchmarks/cpu_cost.py --rotation --doc       # 4 and 8 bits, into docs/LOW_BITS.md
 
 Goals: <= 4 passes in PyTorch (the naive fp32 torch version costs about 14); TensorFlow
 within 1.3x of PyTorch.  ``both`` compares the two in milliseconds and in NumPy add passes
@@ -17,8 +18,9 @@ quantize_pack, decode, as the engine runs them on one rank, without Horovod) thr
 as is, with the Hadamard rotation at the default 1024-element scale blocks
 (``kernels.rotate_norms`` in place of ``segment_norms``, ``kernels.unrotate`` after
 decoding), and with the inverse fused into the decode (``Summed.unpack_bucket(...,
-rotation=)``), in this thread's CPU time against ``torch.add``; goal: the rotation adds at
-most 1.5 passes.
+rotation=)``), in this thread's CPU time against ``torch.add``; and the same for one rank's
+share of a two-stage round (``Messages.unpack_parts(..., rotation=)``).  Goal: the rotation
+adds at most 1.5 passes.
 """
 
 from __future__ import annotations
@@ -32,13 +34,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 # One thread for the kernels too (kernels.thread_budget reads this first; numba at import).
 os.environ["NUMBA_NUM_THREADS"] = "1"
 
 import numpy as np  # noqa: E402
 
+from gqsgd_lab.bench_common import write_section  # noqa: E402
 from hvd_gqsgd import GlobalQSGD, core, kernels  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
 
 Fns = dict[str, Callable[[], object]]
 
@@ -187,11 +193,14 @@ def two_stage_fns(n: int, bits: int, ranks: int = 2) -> Fns:
             TWO_FUSED: functools.partial(round_trip, True, True)}
 
 
-def rotation_report(mb: int, bits: int, repeats: int) -> str:
-    """The kernels' round trip without and with the rotation, against ``torch.add``, all in
-    this thread's CPU time (every one of them runs on this thread alone, and unlike wall
-    time, CPU time leaves out the spells when other work on a shared machine holds the
-    core)."""
+SCHEMES = (("flat", ROUND_TRIP, ROTATED, FUSED),
+           ("two-stage", TWO_STAGE, TWO_ROTATED, TWO_FUSED))
+
+
+def rotation_times(mb: int, bits: int, repeats: int) -> dict[str, float]:
+    """The round trips without and with the rotation, and ``torch.add``, all in this
+    thread's CPU time (every one of them runs on this thread alone, and unlike wall time,
+    CPU time leaves out the spells when other work on a shared machine holds the core)."""
     import torch
 
     torch.set_num_threads(1)
@@ -199,20 +208,51 @@ def rotation_report(mb: int, bits: int, repeats: int) -> str:
     x, y, out = torch.randn(n), torch.randn(n), torch.empty(n)
     fns: Fns = {"add": lambda: torch.add(x, y, out=out), **rotation_fns(n, bits),
                 **two_stage_fns(n, bits)}
-    t = median_times(fns, repeats, clock=time.thread_time)
+    return median_times(fns, repeats, clock=time.thread_time)
+
+
+def rotation_report(mb: int, bits: int, t: dict[str, float]) -> str:
     t_add = t["add"]
     lines = [f"kernels, {mb} MB fp32, bits={bits}, 1 thread, thread CPU time: add "
              f"{1e3 * t_add:.1f} ms"]
-    for name, plain, rotated, fused in (("flat", ROUND_TRIP, ROTATED, FUSED),
-                                        ("two-stage (2 ranks, one rank's share)", TWO_STAGE,
-                                         TWO_ROTATED, TWO_FUSED)):
+    for name, plain, rotated, fused in SCHEMES:
         base = t[plain]
         lines.append(
             f"{name}: round trip {1e3 * base:.1f} ms ({base / t_add:.2f} passes), rotated "
-            f"{1e3 * t[rotated]:.1f} ms (+{(t[rotated] - base) / t_add:.2f} passes), decode "
+            f"{1e3 * t[rotated]:.1f} ms ({(t[rotated] - base) / t_add:+.2f} passes), decode "
             f"fused with the inverse {1e3 * t[fused]:.1f} ms "
-            f"(+{(t[fused] - base) / t_add:.2f} passes; goal: at most +1.5)")
+            f"({(t[fused] - base) / t_add:+.2f} passes; goal: at most +1.5)")
     return "\n".join(lines)
+
+
+def rotation_section(mb: int, repeats: int) -> list[str]:
+    """docs/LOW_BITS.md's cost section: 4 and 8 bits, flat and two-stage."""
+    import platform
+
+    import numba
+
+    model = next((line.split(":", 1)[1].strip() for line in
+                  Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor() or "unknown CPU")
+    rows = ["| bits | scheme | round trip | rotated, inverse after the decode | rotated, "
+            "inverse fused into the decode | goal |", "|---|---|---|---|---|---|"]
+    for bits in (4, 8):
+        t = rotation_times(mb, bits, repeats)
+        print(rotation_report(mb, bits, t), flush=True)
+        for name, plain, rotated, fused in SCHEMES:
+            base, add = t[plain], t["add"]
+            extra = (t[fused] - base) / add
+            rows.append(f"| {bits} | {name} | {1e3 * base:.1f} ms ({base / add:.2f} passes) | "
+                        f"{(t[rotated] - base) / add:+.2f} passes | {extra:+.2f} passes | "
+                        f"+1.5: {'met' if extra <= 1.5 else 'not met'} |")
+    return [f"`python benchmarks/cpu_cost.py --rotation --doc` ({time.strftime('%Y-%m-%d')}): "
+            f"the kernels' round trip of a {mb} MB fp32 bucket on one thread, without and with "
+            "the rotation (scale blocks of 1024), in this thread's CPU time and in `torch.add` "
+            f"passes over the same bucket ({1e3 * t['add']:.1f} ms), median of {repeats}; "
+            "flat is norms, quantize, pack and decode of one rank's words; two-stage is one "
+            "rank's share of a 2-rank round (stage 1 of the whole bucket, the requantize of "
+            f"its shard, the decode of every message).  {model}, numba {numba.__version__}.",
+            "", *rows]
 
 
 def measure(framework: str, mb: int, bits: int, repeats: int) -> dict[str, float]:
@@ -263,9 +303,16 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the raw medians as JSON")
     parser.add_argument("--rotation", action="store_true",
                         help="only time the kernels' round trip without and with the rotation")
+    parser.add_argument("--doc", action="store_true",
+                        help="with --rotation: 4 and 8 bits, written to docs/LOW_BITS.md")
     args = parser.parse_args()
+    if args.rotation and args.doc:
+        write_section(ROOT / "docs" / "LOW_BITS.md", "rotation_cost",
+                      ["### Rotation: CPU cost", "", *rotation_section(args.mb, args.repeats)])
+        return
     if args.rotation:
-        print(rotation_report(args.mb, args.bits, args.repeats))
+        print(rotation_report(args.mb, args.bits, rotation_times(args.mb, args.bits,
+                                                                  args.repeats)))
         return
     if args.framework == "both":
         compare(args)
