@@ -468,30 +468,13 @@ if numba is not None:
                 total = acc.sum()
                 norms[s] = np.sqrt(total) if np.isfinite(total) else np.inf
 
-    def _scale_unrotate(codes, seg_lo, seg_hi, seg_scale, out, block, key, start, inv):
-        # out = codes times their segment's scale, as _scale_items forms it (a float64
-        # product rounded once, on the store into out's dtype), and every full block then
-        # rotated back before it is stored: scaled into scratch, then _inverse
-        per, items = _groups(seg_lo.size, block)
-        n = numba.uint64(block)
-        for w in numba.prange(items):
-            buf, spare = np.empty(2 * block, out.dtype), np.empty(block, out.dtype)
-            for s in range(w * per, min((w + 1) * per, seg_lo.size)):
-                lo, hi = numba.uint64(seg_lo[s]), numba.uint64(seg_hi[s])
-                scale = numba.float64(seg_scale[s])
-                if hi - lo != n:
-                    for t in range(lo, hi):
-                        out[t] = numba.float64(codes[t]) * scale
-                    continue
-                for t in range(n):
-                    buf[n + t] = numba.float64(codes[lo + t]) * scale
-                _inverse(buf, n, out, lo, n, numba.uint64(start) + lo, key, inv, buf, spare)
-
     def _scale_unrotate_items(codes, seg_lo, seg_hi, seg_i0, seg_i1, item_lane, item_out,
                               item_count, item_scale, out, block, key, start, inv):
-        # _scale_unrotate over work items (Messages): segment s is out[seg_lo[s]:seg_hi[s]],
-        # filled by items seg_i0[s] .. seg_i1[s], each as _scale_items forms it; a full
-        # block's items go into scratch, then _inverse, any other segment's straight to out
+        # out = codes times their scale, as _scale_items forms it (a float64 product rounded
+        # once, on the store into out's dtype), and every full block then rotated back
+        # before it is stored.  Segment s is out[seg_lo[s]:seg_hi[s]], filled by the items
+        # seg_i0[s] .. seg_i1[s] (Summed: one per segment; Messages: its parts' items); a
+        # full block's items go into scratch, then _inverse, any other segment's to out
         per, items = _groups(seg_lo.size, block)
         n = numba.uint64(block)
         for w in numba.prange(items):
@@ -544,7 +527,6 @@ if numba is not None:
     _rotate_absmax = _twin(_rotate_absmax)
     _rotate_l2 = _twin(_rotate_l2)
     _unrotate = _twin(_unrotate)
-    _scale_unrotate = _twin(_scale_unrotate)
     _scale_unrotate_items = _twin(_scale_unrotate_items)
 
 
@@ -1082,8 +1064,9 @@ class Summed:
             block, key = rotation
             lo, hi, segment = window_segments(counts, start, out.size, block)
             scale = np.asarray(scales, dtype=out.dtype)[segment]
-            _run(_scale_unrotate, out.size, codes, lo, hi, scale, out, block, np.uint64(key),
-                 start, out.dtype.type(1.0 / block))
+            one = np.arange(lo.size, dtype=np.int64)  # one item per segment
+            _run(_scale_unrotate_items, out.size, codes, lo, hi, one, one + 1, lo, lo, hi - lo,
+                 scale, out, block, np.uint64(key), start, out.dtype.type(1.0 / block))
             return
         lane, count, segment = _segment_items(counts, start, start + out.size)
         item_scale = np.asarray(scales, dtype=out.dtype)[segment]

@@ -148,6 +148,11 @@ def test_threaded_kernels_match_oracle(monkeypatch):
     fused = np.empty_like(x)
     kernels.Summed(words.copy(), 8).unpack_bucket(fused, counts, scales, rotation=(block, KEY))
     _same_bits(fused, oracle.inverse(plain, counts, block, KEY))
+    counts, layout, words, scales, plain = _gathered(3, 4, block, np.float32, numels=numels)
+    fused = np.empty_like(plain)
+    kernels.Messages(words, layout).unpack_parts(0, len(layout.counts), fused, scales, 0,
+                                                 (block, KEY))
+    _same_bits(fused, oracle.inverse(plain, counts, block, KEY))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -236,10 +241,10 @@ def test_decode_fused_with_the_inverse_by_windows():
             rotation=(block, KEY))
 
 
-def _gathered(n, bits, block, dtype, seed=0):
+def _gathered(n, bits, block, dtype, seed=0, numels=None):
     """A two-stage bucket's layout at ``n`` ranks and gathered words of random stage-2 codes,
     each part's slot a positive max; the plain decode of every part, and its scales."""
-    numels = [5 * block + 3, block, 7, 3 * block]
+    numels = numels or [5 * block + 3, block, 7, 3 * block]
     counts, _ = core.segments(numels, block)
     plan = core.two_stage_plan(counts, n, bits)
     layout = core.message_layout([(plan, 0, 0)], plan.gather_words, len(counts))
