@@ -37,6 +37,7 @@ import os
 import sys
 import threading
 import time
+import types
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -511,8 +512,19 @@ if numba is not None:
         launch costs more than a small tensor's whole work).  The serial twin
         releases the GIL, so that Python threads (TF's host calls, WireWatch's signals) run
         while it works; the threaded one keeps it, which also keeps two threaded launches
-        from overlapping (numba's workqueue layer aborts on that)."""
-        return numba.njit(parallel=True, cache=True)(fn), numba.njit(cache=True, nogil=True)(fn)
+        from overlapping (numba's workqueue layer aborts on that).
+
+        The serial twin compiles a copy of ``fn`` named ``<name>_serial``: numba's disk
+        cache keys an entry by the function's name, line, bytecode and signature, not by
+        its compile options, so two twins of one function would share entries, and either
+        would load whichever twin saved first: a serial twin running threaded code starts
+        numba's thread pool beside the framework's threads, keeps the GIL, and
+        oversubscribes the cores every rank shares."""
+        serial = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
+                                    fn.__closure__)
+        serial.__qualname__ = f"{fn.__qualname__}_serial"
+        return (numba.njit(parallel=True, cache=True)(fn),
+                numba.njit(cache=True, nogil=True)(serial))
 
     _items_absmax_bits = _twin(_items_absmax_bits)
     _segment_l2 = _twin(_segment_l2)

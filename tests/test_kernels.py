@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -302,6 +304,36 @@ def test_run_picks_the_twin_from_size_and_budget(monkeypatch, budget, size, twin
     ran = []
     kernels._run((lambda: ran.append("threaded"), lambda: ran.append("serial")), size)
     assert ran == [twin]
+
+
+_TWIN_PROBE = """
+import sys
+import numpy as np
+import numba.np.ufunc.parallel as pool
+from hvd_gqsgd import kernels
+twin = dict(zip(("threaded", "serial"), kernels._segment_l2))[sys.argv[1]]
+twin(np.ones(64, np.float32), np.array([0, 64]), np.zeros(1))
+print(sum(twin.stats.cache_hits.values()), pool._is_initialized)
+"""
+
+
+def test_twins_keep_separate_disk_caches(tmp_path):
+    """numba's disk cache does not key entries by compile options: twins sharing entries
+    let a serial call load the threaded code saved by an earlier process and start numba's
+    thread pool.  Each process here shares one fresh cache directory; the first column is
+    the twin's cache hits, the second whether numba's thread pool started."""
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "PYTHONPATH": root}
+
+    def probe(which):
+        out = subprocess.run([sys.executable, "-c", _TWIN_PROBE, which], env=env, check=True,
+                             capture_output=True, text=True, timeout=300).stdout.split()
+        return int(out[0]), out[1] == "True"
+
+    assert probe("threaded") == (0, True)   # compiled and saved
+    assert probe("serial") == (0, False)    # its own entry: compiled, no pool
+    assert probe("serial") == (1, False)    # and cached
+    assert probe("threaded") == (1, True)
 
 
 @pytest.mark.parametrize("environ, expected", [
