@@ -307,8 +307,8 @@ if numba is not None:
                 out[o + t] = numba.float64(codes[lane + t]) * scale
 
     # The rotation (core, "Rotation").  A full block goes through scratch in L1: signs, then
-    # log2(B) butterfly stages in constant geometry (_passes), two at a time; the inverse
-    # runs the stages first, then 1/B and the signs.
+    # log2(B) butterfly stages in constant geometry (_passes); the inverse runs the stages
+    # first, then 1/B and the signs.
 
     @numba.njit
     def _signed_copy(src, s0, dst, d0, t0, t1, base, scale):
@@ -351,49 +351,25 @@ if numba is not None:
             dst[d0 + q] = a + b
             dst[d0 + q + half] = a - b
 
-    @numba.njit(inline="always")
-    def _quad(src, i):
-        # Two stages of _stage2 on src[i:i + 4], in the order _stage4 stores them
-        a, b, c, d = (src[i], src[i + numba.uint64(1)], src[i + numba.uint64(2)],
-                      src[i + numba.uint64(3)])
-        ab, amb, cd, cmd = a + b, a - b, c + d, c - d
-        return ab + cd, amb + cmd, ab - cd, amb - cmd
-
-    @numba.njit
-    def _stage4(src, s0, dst, d0, quarter):
-        # Two stages of _stage2 at once: half the loads and stores per stage
-        for q in range(quarter):
-            y0, y1, y2, y3 = _quad(src, s0 + numba.uint64(4) * q)
-            dst[d0 + q] = y0
-            dst[d0 + q + quarter] = y1
-            dst[d0 + q + numba.uint64(2) * quarter] = y2
-            dst[d0 + q + numba.uint64(3) * quarter] = y3
-
     @numba.njit
     def _passes(src, s0, dst, d0, block, stages, buf, b0):
-        """``stages`` (at least 1) stages of _stage2, one alone first when odd, then two at a
-        time, from src[s0:s0 + block] to dst[d0:d0 + block] through the halves of buf (2 *
-        block scratch): b0 first, then the other (src may be the other).  Only offsets
-        change from pass to pass, never which array: numba counts references on every
-        array assignment, which choosing an array per pass would pay each pass."""
-        n = (stages + 1) // 2
-        radix2 = stages % 2 == 1
-        if n == 1:
-            _pass(src, s0, dst, d0, block, radix2)
+        """``stages`` (at least 1) stages of _stage2 from src[s0:s0 + block] to
+        dst[d0:d0 + block] through the halves of buf (2 * block scratch): b0 first, then the
+        other (src may be the other).  Only offsets change from pass to pass, never which
+        array: numba counts references on every array assignment, which choosing an array
+        per pass would pay each pass.  One stage per pass: fusing two (four loads, four
+        stores) was no faster here, its de-interleaving shuffles costing what the saved
+        passes over a block in L1 gain."""
+        half = block >> numba.uint64(1)
+        if stages == 1:
+            _stage2(src, s0, dst, d0, half)
             return
-        _pass(src, s0, buf, b0, block, radix2)
+        _stage2(src, s0, buf, b0, half)
         at = b0
-        for _ in range(n - 2):
-            _stage4(buf, at, buf, block - at, block >> numba.uint64(2))
+        for _ in range(stages - 2):
+            _stage2(buf, at, buf, block - at, half)
             at = block - at
-        _stage4(buf, at, dst, d0, block >> numba.uint64(2))
-
-    @numba.njit(inline="always")
-    def _pass(src, s0, dst, d0, block, radix2):
-        if radix2:
-            _stage2(src, s0, dst, d0, block >> numba.uint64(1))
-        else:
-            _stage4(src, s0, dst, d0, block >> numba.uint64(2))
+        _stage2(buf, at, dst, d0, half)
 
     @numba.njit
     def _log2(block):
