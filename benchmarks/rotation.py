@@ -17,8 +17,9 @@ emulated hosts.  Writes its sections of docs/LOW_BITS.md.
   and 4 ranks with flat 4 bits, rotation off and on, two-stage 4 bits with the rotation (the
   4-bit default) and flat 8 bits with the rotation, 3 seeds (goal: 4 bits within 2%).
   ``--train-ranks 16`` runs one rank count; the section is rewritten after each.
-* **blocks** (not in the default parts; about 20 minutes): two-stage 4 bits with the
-  rotation at 16 ranks with scale blocks of 1024, 256 and 64 elements, against fp32.
+* **blocks** (not in the default parts; about 30 minutes): two-stage 4 bits with the
+  rotation at 2, 4 and 16 ranks with scale blocks of 1024, 256 and 64 elements, against
+  fp32, with the bytes per step char_lm counts.
 * **speed**: one ``hvd.allreduce`` of 64 MB on 2 emulated hosts at 1 Gbit/s (root; see
   gqsgd_lab/emulated_hosts.py), 4 bits with the rotation against 8 bits without, in the same
   job, and again on unthrottled links (the floor the 2 shared cores set).
@@ -169,37 +170,40 @@ def train_part(steps: int, ranks: list[int], write) -> None:
 
 
 BLOCKS = (1024, 256, 64)
+BLOCK_RANKS = {2: "0,1,2", 4: "0,1,2", 16: "0,1"}  # rank count -> seeds
 
 
-def blocks_part(steps: int, seeds: str) -> list[str]:
-    """Two-stage 4 bits with the rotation at 16 ranks, with scale (and rotation) blocks of
-    each size in BLOCKS, against fp32."""
+def blocks_part(steps: int) -> list[str]:
+    """Two-stage 4 bits with the rotation at each rank count of BLOCK_RANKS, with scale (and
+    rotation) blocks of each size in BLOCKS, against fp32; bytes per step as char_lm counts
+    them (payload and overhead, the scale exchange included)."""
     variants = ",".join(["none", *(f"gq4:two_stage=true:rotation=hadamard:scale_block={b}"
                                    for b in BLOCKS)])
-    runs = train_job(16, variants, seeds, steps)
-    base = {r["seed"]: r["val_loss"] for r in runs if r["spec"] == "none"}
-    lines = ["| scale_block | final val loss | vs fp32 (mean of seeds) | per seed | "
-             "scale bits per element | goal |", "|---|---|---|---|---|---|"]
-    by: dict[str, list[dict]] = {}
-    for r in runs:
-        by.setdefault(r["spec"], []).append(r)
-    for spec, group in by.items():
-        rel = [100 * (r["val_loss"] / base[r["seed"]] - 1) for r in group]
-        block = spec.rsplit("=", 1)[1] if spec != "none" else "fp32"
-        overhead = f"{128 / int(block):.3g}" if spec != "none" else "-"
-        limit = TRAIN_GOALS[4]
-        goal = ("-" if spec == "none" else
-                f"within {limit:g}%: {'met' if np.mean(rel) <= limit else 'not met'}")
-        lines.append(f"| {block} | {np.mean([r['val_loss'] for r in group]):.4f} | "
-                     f"{np.mean(rel):+.2f}% | {', '.join(f'{v:+.2f}%' for v in rel)} | "
-                     f"{overhead} | {goal} |")
-    print("\n".join(lines), flush=True)
+    lines = ["| ranks | scale_block | final val loss | vs fp32 (mean of seeds) | per seed | "
+             "fewer bytes per step than fp32 | goal |", "|---|---|---|---|---|---|---|"]
+    for ranks, seeds in BLOCK_RANKS.items():
+        runs = train_job(ranks, variants, seeds, steps)
+        base = {r["seed"]: r["val_loss"] for r in runs if r["spec"] == "none"}
+        by: dict[str, list[dict]] = {}
+        for r in runs:
+            by.setdefault(r["spec"], []).append(r)
+        for spec, group in by.items():
+            rel = [100 * (r["val_loss"] / base[r["seed"]] - 1) for r in group]
+            block = spec.rsplit("=", 1)[1] if spec != "none" else "fp32"
+            limit = TRAIN_GOALS[4]
+            goal = ("-" if spec == "none" else
+                    f"within {limit:g}%: {'met' if np.mean(rel) <= limit else 'not met'}")
+            lines.append(f"| {ranks} | {block} | {np.mean([r['val_loss'] for r in group]):.4f} "
+                         f"| {np.mean(rel):+.2f}% | {', '.join(f'{v:+.2f}%' for v in rel)} | "
+                         f"{group[0]['bytes_vs_fp32']:.2f}x | {goal} |")
+        print("\n".join(lines), flush=True)
     return [f"`python benchmarks/rotation.py --parts blocks` ({time.strftime('%Y-%m-%d')}): "
-            f"examples/char_lm.py at 16 ranks under horovodrun on this machine, {steps} steps, "
-            f"seeds {seeds}; GlobalQSGD(4, two_stage=True, rotation='hadamard') with each "
-            "scale_block (the rotation's block is the scale block).  The scales cost 64 bits "
-            "per block in the MAX exchange and about as much again in the stage-2 slots (one "
-            "per part), so 128/scale_block bits per element on top of the 4.", "", *lines]
+            f"examples/char_lm.py under horovodrun on this machine, {steps} steps, seeds "
+            f"{', '.join(f'{s} at {n} ranks' for n, s in BLOCK_RANKS.items())}; "
+            "GlobalQSGD(4, two_stage=True, rotation='hadamard') with each scale_block (the "
+            "rotation's block is the scale block).  Bytes per step are char_lm's count: "
+            "payload plus overhead (the scales' MAX exchange and the stage-2 slots).", "",
+            *lines]
 
 
 def speed_part(repeats: int) -> list[str]:
@@ -230,7 +234,6 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=3)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--seeds", default="0,1", help="seeds of the blocks part")
     parser.add_argument("--train-ranks", default="16,2,4",
                         help="rank counts of the train part, in the order run")
     args = parser.parse_args()
@@ -243,8 +246,8 @@ def main() -> None:
                    lambda lines: write_section(DOC, "rotation_train",
                                                ["### Rotation: training", "", *lines]))
     if "blocks" in parts:
-        write_section(DOC, "rotation_blocks", ["### Rotation: smaller blocks at 16 ranks", "",
-                                               *blocks_part(args.steps, args.seeds)])
+        write_section(DOC, "rotation_blocks", ["### Rotation: smaller blocks", "",
+                                               *blocks_part(args.steps)])
     if "speed" in parts:
         write_section(DOC, "rotation_speed", ["### Rotation: 64 MB allreduce speed", "",
                                               *speed_part(args.repeats)])
