@@ -126,20 +126,29 @@ def train_job(ranks: int, variants: str, seeds: str, steps: int) -> list[dict]:
         return json.loads(out.read_text())["runs"]
 
 
-def train_rows(ranks: int, runs: list[dict]) -> list[str]:
+def by_spec(runs: list[dict]) -> list[tuple[str, list[dict], list[float]]]:
+    """char_lm's runs grouped by variant spec, each with its seeds' val loss in % above
+    fp32's (the ``none`` run) of the same seed."""
     by: dict[str, list[dict]] = {}
     for r in runs:
         by.setdefault(r["spec"], []).append(r)
     base = {r["seed"]: r["val_loss"] for r in by["none"]}
+    return [(spec, group, [100 * (r["val_loss"] / base[r["seed"]] - 1) for r in group])
+            for spec, group in by.items()]
+
+
+def goal_cell(rel: list[float], limit: float) -> str:
+    return f"within {limit:g}%: {'met' if np.mean(rel) <= limit else 'not met'}"
+
+
+def train_rows(ranks: int, runs: list[dict]) -> list[str]:
     lines = []
-    for spec, group in by.items():
-        rel = [100 * (r["val_loss"] / base[r["seed"]] - 1) for r in group]
+    for spec, group, rel in by_spec(runs):
         goal = ""
         if "rotation=hadamard" in spec:
-            bits = int(spec[2:spec.index(":")])
-            limit = TRAIN_GOALS.get(bits)
+            limit = TRAIN_GOALS.get(int(spec[2:spec.index(":")]))
             if limit is not None:
-                goal = f"within {limit:g}%: {'met' if np.mean(rel) <= limit else 'not met'}"
+                goal = goal_cell(rel, limit)
         vals = [r["val_loss"] for r in group]
         lines.append(f"| {ranks} | {group[0]['label']} | {np.mean(vals):.4f} | "
                      f"{np.mean(rel):+.2f}% | {len(group)} | {goal or '-'} |")
@@ -182,17 +191,9 @@ def blocks_part(steps: int) -> list[str]:
     lines = ["| ranks | scale_block | final val loss | vs fp32 (mean of seeds) | per seed | "
              "fewer bytes per step than fp32 | goal |", "|---|---|---|---|---|---|---|"]
     for ranks, seeds in BLOCK_RANKS.items():
-        runs = train_job(ranks, variants, seeds, steps)
-        base = {r["seed"]: r["val_loss"] for r in runs if r["spec"] == "none"}
-        by: dict[str, list[dict]] = {}
-        for r in runs:
-            by.setdefault(r["spec"], []).append(r)
-        for spec, group in by.items():
-            rel = [100 * (r["val_loss"] / base[r["seed"]] - 1) for r in group]
+        for spec, group, rel in by_spec(train_job(ranks, variants, seeds, steps)):
             block = spec.rsplit("=", 1)[1] if spec != "none" else "fp32"
-            limit = TRAIN_GOALS[4]
-            goal = ("-" if spec == "none" else
-                    f"within {limit:g}%: {'met' if np.mean(rel) <= limit else 'not met'}")
+            goal = "-" if spec == "none" else goal_cell(rel, TRAIN_GOALS[4])
             lines.append(f"| {ranks} | {block} | {np.mean([r['val_loss'] for r in group]):.4f} "
                          f"| {np.mean(rel):+.2f}% | {', '.join(f'{v:+.2f}%' for v in rel)} | "
                          f"{group[0]['bytes_vs_fp32']:.2f}x | {goal} |")
