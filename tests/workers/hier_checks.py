@@ -30,7 +30,7 @@ from hvd_gqsgd import GlobalQSGD as _GlobalQSGD
 # These scenarios test flat Global-QSGD, whose levels the test's simulation assumes at every
 # bits, without a rotation; the defaults would pick two-stage below 15 levels
 # (tests/workers/two_stage_checks.py covers that) and rotate at 4 bits
-# (tests/workers/rotation_checks.py covers that).
+# (the rotation scenario of tests/workers/two_stage_checks.py covers that).
 GlobalQSGD = functools.partial(_GlobalQSGD, two_stage=False, rotation=None)
 
 

@@ -19,7 +19,7 @@ from hvd_gqsgd import GlobalQSGD as _GlobalQSGD
 from hvd_gqsgd import core
 
 # Two-stage as the oracle simulates it: no rotation (the default rotates at 4 bits;
-# tests/workers/rotation_checks.py covers two-stage with it)
+# the rotation scenario below covers two-stage with it)
 GlobalQSGD = functools.partial(_GlobalQSGD, rotation=None)
 
 FRAMEWORK = sys.argv[2]
