@@ -2,7 +2,8 @@
 (hvd_gqsgd/two_stage.py's docstring), not from the code under test: it computes lane
 widths, levels, shards and parts on its own, and only shares the definition of the rounding
 noise stream (``kernels.noise`` keyed by ``core.noise_key(core.rank_seed(seed, rank),
-serial)``), so that a real run's fused path can be replayed bit for bit.
+serial)``), so that a real run's fused path can be replayed bit for bit, and the default
+scale block by bits (``core.default_scale_block``) where ``block`` is left None.
 
 ``simulate`` returns every rank's result; ``predicted_variance`` the rounding variance that
 the error tests compare with.
@@ -34,6 +35,12 @@ def stage_levels(bits: int, n: int) -> tuple[int, int]:
     return min((2 ** (w - 1) - 1) // n, CODE_CAP), 2 ** (bits - 1) - 1
 
 
+def _block(block: int | None, bits: int) -> int:
+    """``block``, or when None the library's documented default for ``bits``
+    (``core.default_scale_block``), as every entry point's ``scale_block=None`` gives."""
+    return core.default_scale_block(bits) if block is None else block
+
+
 def segment_ids(numels: list[int], block: int) -> np.ndarray:
     """Scale segment of every bucket element: blocks of ``block`` inside each tensor."""
     ids, next_id = [], 0
@@ -62,10 +69,10 @@ class Result:
 
 
 def simulate(xs: list[np.ndarray], numels: list[int], bits: int, seed: int, factor: float,
-             block: int = 1024, serial: int = 1) -> Result:
+             block: int | None = None, serial: int = 1) -> Result:
     """Two-stage Global-QSGD of the inputs ``xs`` (one per rank, float32 or float64), as the
     fused kernels round: stage 1 with key serial ``serial``, stage 2 with ``serial + 1``."""
-    seg = segment_ids(numels, block)
+    seg = segment_ids(numels, _block(block, bits))
     scale = np.zeros(seg.max() + 1)
     for x in xs:
         np.maximum.at(scale, seg, np.abs(x.astype(np.float64)))
@@ -111,12 +118,12 @@ def across(xs: list[np.ndarray], seg: np.ndarray, scale: np.ndarray, bits: int,
 
 def simulate_hierarchical(xs: list[np.ndarray], numels: list[int], bits: int, seed: int,
                           factor: float, nodes: int, local: int, rank_of: dict,
-                          block: int = 1024) -> np.ndarray:
+                          block: int | None = None) -> np.ndarray:
     """Hierarchical two-stage: node sums in float64, each node shard (``local`` shards of
     whole ``bits``-lane words) summed two-stage across the ``nodes`` by the ranks holding
     that shard; ``rank_of[(c, j)]`` is the global rank of local rank ``j`` on node ``c``."""
     total = xs[0].size
-    seg = segment_ids(numels, block)
+    seg = segment_ids(numels, _block(block, bits))
     node_sum = [np.sum([xs[rank_of[(c, j)]].astype(np.float64) for j in range(local)], axis=0)
                 for c in range(nodes)]
     scale = np.zeros(seg.max() + 1)
@@ -138,13 +145,13 @@ def simulate_hierarchical(xs: list[np.ndarray], numels: list[int], bits: int, se
 
 
 def predicted_variance(xs: list[np.ndarray], numels: list[int], bits: int,
-                       block: int = 1024) -> tuple[float, float]:
+                       block: int | None = None) -> tuple[float, float]:
     """Expected squared error of the *sum*, summed over elements, for flat and two-stage
     Global-QSGD: unbiased rounding of ``y`` adds ``frac(y) (1 - frac(y))`` times the squared
     step.  Two-stage's second stage is estimated with its mean over a uniform fraction
     (1/6), taking each part's max |S| as ``n L1`` times the segment's share of the scale."""
     n = len(xs)
-    seg = segment_ids(numels, block)
+    seg = segment_ids(numels, _block(block, bits))
     scale = np.zeros(seg.max() + 1)
     for x in xs:
         np.maximum.at(scale, seg, np.abs(x.astype(np.float64)))
@@ -167,7 +174,7 @@ def predicted_variance(xs: list[np.ndarray], numels: list[int], bits: int,
 
 
 def stage_one_rows(xs: list[np.ndarray], bits: int, keys: list[list[int]], divisor: float,
-                   block: int = 1024, norm: str = "max") -> list[np.ndarray]:
+                   block: int | None = None, norm: str = "max") -> list[np.ndarray]:
     """FSDP2's reduce-scatter by stage 1 alone (hvd_gqsgd/fsdp.py's docstring): every rank's
     input ``xs[r]`` is ``n`` rows of ``S`` elements; each row is cut into scale blocks of
     ``block`` elements, quantized with ``L1`` levels and rounded with that rank's key for the
@@ -179,6 +186,7 @@ def stage_one_rows(xs: list[np.ndarray], bits: int, keys: list[list[int]], divis
     l1, _ = stage_levels(bits, n)
     w = lane_width(bits, n)
     rows = [x.reshape(n, shard) for x in xs]
+    block = _block(block, bits)
     seg = np.arange(shard) // block if block else np.zeros(shard, dtype=np.int64)
     out = []
     for t in range(n):

@@ -141,13 +141,14 @@ class GlobalQSGD:
             allreduce per bucket.  0 forces one allreduce per bucket; an int > 0 sets the
             chunk size.  ``HVD_GQSGD_OVERLAP_NICE`` lowers the priority of TF's overlapping
             quantize (:class:`hvd_gqsgd.kernels.WireWatch`; off by default).
-        scale_block: elements per global scale (default 1024): each block of a tensor gets
-            its own scale, at 8 bytes per block in the MAX exchange (0.8% more bytes at
-            ``bits=8``).  Finer scales waste fewer levels where gradients are small: 1024
-            follows the gradient's magnitude more closely than one scale per tensor, with a
-            lower quantization error and training loss (docs/LOW_BITS.md,
-            docs/CONVERGENCE.md).  0: one scale per tensor.  A
-            NaN/Inf poisons only its own block.
+        scale_block: elements per global scale: each block of a tensor gets its own scale,
+            at 8 bytes per block in the MAX exchange (0.8% more bytes at ``bits=8`` with
+            1024).  Finer scales waste fewer levels where gradients are small: 1024 follows
+            the gradient's magnitude more closely than one scale per tensor, with a lower
+            quantization error and training loss (docs/LOW_BITS.md, docs/CONVERGENCE.md).
+            ``None`` (default): 1024, and 256 at 4 bits and fewer, where the coarse grid
+            needs the finer scales (``core.default_scale_block``).  0: one scale per tensor.
+            A NaN/Inf poisons only its own block.
         hierarchical: sum in full precision inside each node (Horovod's ``local_rank`` /
             ``cross_rank``), then run Global-QSGD across nodes only, so ``L`` is set by the
             node count: 8 nodes of 8 ranks keep ``L = 15`` at ``bits=8`` where flat
@@ -176,7 +177,7 @@ class GlobalQSGD:
             about one pass over the gradient each way on CPU.  ``None``: off.
             ``"auto"`` (default): on at 4 bits and fewer, off above
             (``core.AUTO_ROTATION_MAX_BITS``; see docs/LOW_BITS.md).  Needs ``scale_block``
-            a power of two (the default 1024).
+            a power of two (as the defaults are).
 
     .. warning::
         * **Op.** Any ``op`` that sums works: ``Average`` (the default), ``Sum``, and
@@ -203,8 +204,8 @@ class GlobalQSGD:
           decompressed already.
         * Non-float and empty tensors pass through unchanged (Horovod reduces them as usual).
           NaN/Inf on any rank gives NaN on every rank for its whole scale block (the whole
-          tensor with ``scale_block=0`` or below 1024 elements), so AMP's loss scaler still
-          sees it and skips the step everywhere.
+          tensor with ``scale_block=0`` or below ``scale_block`` elements), so AMP's loss
+          scaler still sees it and skips the step everywhere.
     """
 
     _instances = itertools.count()
@@ -212,10 +213,11 @@ class GlobalQSGD:
     def __init__(self, bits: int = 8, norm: str = "max", seed: int | None = None,
                  process_set: Any = None, bucket_bytes: int | None = None,
                  chunk_bytes: int | None = core.DEFAULT_CHUNK_BYTES,
-                 scale_block: int = core.DEFAULT_SCALE_BLOCK, hierarchical: bool = False,
+                 scale_block: int | None = None, hierarchical: bool = False,
                  two_stage: bool | None = None, rotation: str | None = "auto") -> None:
         self.settings = core.Settings(bits=bits, norm=norm, seed=seed, bucket_bytes=bucket_bytes,
-                                      chunk_bytes=chunk_bytes, scale_block=scale_block,
+                                      chunk_bytes=chunk_bytes,
+                                      scale_block=scale_block,  # type: ignore[arg-type]
                                       hierarchical=hierarchical, two_stage=two_stage,
                                       rotation=rotation)
         self.process_set = process_set

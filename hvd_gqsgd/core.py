@@ -86,7 +86,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 __all__ = [
     "MIN_BITS",
@@ -96,6 +96,7 @@ __all__ = [
     "NORMS",
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_SCALE_BLOCK",
+    "LOW_BITS_SCALE_BLOCK",
     "Settings",
     "TensorOps",
     "levels",
@@ -143,6 +144,7 @@ __all__ = [
     "ROTATE_CHUNK_ROWS",
     "ROTATE_CHUNK_ELEMENTS",
     "rotation_block",
+    "default_scale_block",
     "rotation_key",
     "full_blocks",
     "rotate",
@@ -163,8 +165,11 @@ AUTO_CHUNK_BYTES = 1 << 21
 # from compress (PyTorch: Backend.auto_bucket_bytes): a deep model's gradients go on the wire
 # in buckets of this size while backward still runs (docs/BENCHMARKS.md, the deep model)
 AUTO_BUCKET_BYTES = 8 << 20
-# Elements per global scale (Settings.scale_block); see docs/CONVERGENCE.md and LOW_BITS.md
+# Elements per global scale (Settings.scale_block) above AUTO_ROTATION_MAX_BITS bits, and at
+# that many bits and fewer, where the coarse grid needs smaller blocks to train within 2% of
+# fp32 (default_scale_block; docs/CONVERGENCE.md and LOW_BITS.md)
 DEFAULT_SCALE_BLOCK = 1024
+LOW_BITS_SCALE_BLOCK = 256
 # Settings.rotation: the rotations there are, and the largest block one acts on
 ROTATIONS = ("hadamard",)
 MAX_ROTATION_BLOCK = 1 << 16
@@ -343,7 +348,9 @@ class Settings:
             and start its scale exchange (0 = one bucket, sealed when the first result is
             needed; None = the adapter's choice, see ``AUTO_BUCKET_BYTES``).
         scale_block: give every ``scale_block`` elements of a tensor their own global scale
-            (0 = one scale per tensor).
+            (0 = one scale per tensor; None = by bits, :func:`default_scale_block`: 1024,
+            and 256 at ``AUTO_ROTATION_MAX_BITS`` bits and fewer).  Settings holds the
+            resolved int.
         chunk_bytes: send a bucket's packed codes as Sum allreduces of about this many bytes
             each, so that quantizing one chunk overlaps sending the previous (0 = one
             allreduce per bucket; None = the adapter's choice, see ``AUTO_CHUNK_BYTES``).
@@ -367,7 +374,9 @@ class Settings:
     seed: int | None = None
     bucket_bytes: int | None = None
     chunk_bytes: int | None = DEFAULT_CHUNK_BYTES
-    scale_block: int = DEFAULT_SCALE_BLOCK
+    # None (the default) is replaced on init by default_scale_block(bits); the adapters'
+    # scale_block=None passes it on (their type: ignore)
+    scale_block: int = cast(int, None)
     hierarchical: bool = False
     two_stage: bool | None = None
     rotation: str | None = "auto"
@@ -398,11 +407,14 @@ class Settings:
         ):
             raise ValueError(f"chunk_bytes must be None (automatic) or an int >= 0, got "
                              f"{self.chunk_bytes!r}")
+        if self.scale_block is None:
+            object.__setattr__(self, "scale_block", default_scale_block(self.bits))
         if isinstance(self.scale_block, bool) or not isinstance(self.scale_block, int) or (
             self.scale_block < 0
         ):
             raise ValueError(
-                f"scale_block must be an int >= 0 (elements per scale; 0 = per tensor), got "
+                f"scale_block must be None (by bits) or an int >= 0 (elements per scale; 0 = "
+                f"per tensor), got "
                 f"{self.scale_block!r}")
         if not isinstance(self.hierarchical, bool):
             raise ValueError(f"hierarchical must be True or False, got {self.hierarchical!r}")
@@ -429,7 +441,8 @@ class Settings:
             raise ValueError(
                 f"rotation='hadamard' rotates each scale block, so scale_block must be a power "
                 f"of two in [2, {MAX_ROTATION_BLOCK}], got scale_block={self.scale_block}: use "
-                f"scale_block={DEFAULT_SCALE_BLOCK} (the default) with rotation='hadamard'")
+                f"scale_block=None (the default, {default_scale_block(self.bits)} at "
+                f"bits={self.bits}) with rotation='hadamard'")
 
 
 # --------------------------------------------------------------------------- tensor ops
@@ -804,6 +817,14 @@ def _rotatable(block: int) -> bool:
     """Whether a rotation can act on scale blocks of ``block`` elements."""
     return (not isinstance(block, bool) and isinstance(block, int)
             and 2 <= block <= MAX_ROTATION_BLOCK and block & (block - 1) == 0)
+
+
+def default_scale_block(bits: int) -> int:
+    """``Settings.scale_block`` when it is None: ``LOW_BITS_SCALE_BLOCK`` at
+    ``AUTO_ROTATION_MAX_BITS`` bits and fewer, where the coarse grid trains nearer fp32 with
+    smaller blocks for a few percent more bytes, ``DEFAULT_SCALE_BLOCK`` above
+    (docs/LOW_BITS.md, "smaller blocks")."""
+    return LOW_BITS_SCALE_BLOCK if bits <= AUTO_ROTATION_MAX_BITS else DEFAULT_SCALE_BLOCK
 
 
 def rotation_block(settings: Settings) -> int:

@@ -57,7 +57,8 @@ class GlobalQSGDState(Transport):
             reproducible.  Either way ranks draw independent noise and torch's global RNG is
             neither read nor advanced.
         scale_block: elements per global scale inside each gradient tensor (0: one scale per
-            tensor).  1024 costs 8 bytes of MAX all_reduce per 1024 elements.
+            tensor; ``None``, the default: 1024, and 256 at 4 bits and fewer, as
+            :class:`hvd_gqsgd.GlobalQSGD`'s).  Each block costs 8 bytes of MAX all_reduce.
         chunk_bytes: packed bytes per SUM all_reduce.  A bucket's codes go in chunks of about
             this size, each launched as soon as it is packed and unpacked as soon as it
             arrives, so packing and unpacking overlap the wire.  ``None`` (default): 2 MiB
@@ -82,10 +83,11 @@ class GlobalQSGDState(Transport):
 
     def __init__(self, process_group: Any = None, bits: int = 8, norm: str = "max",
                  seed: int | None = None,
-                 scale_block: int = core.DEFAULT_SCALE_BLOCK,
+                 scale_block: int | None = None,
                  chunk_bytes: int | None = core.DEFAULT_CHUNK_BYTES,
                  two_stage: bool | None = None, rotation: str | None = "auto") -> None:
-        super().__init__(core.Settings(bits=bits, norm=norm, seed=seed, scale_block=scale_block,
+        super().__init__(core.Settings(bits=bits, norm=norm, seed=seed,
+                                       scale_block=scale_block,  # type: ignore[arg-type]
                                        chunk_bytes=chunk_bytes, two_stage=two_stage,
                                        rotation=rotation),
                          process_group)

@@ -92,7 +92,8 @@ class FSDPState(Transport):
         seed: ``None`` seeds each rank's rounding noise from the OS; an int makes it
             reproducible.  Either way ranks draw independent noise and torch's global RNG
             is neither read nor advanced.
-        scale_block: elements of a row per global scale (0: one scale per row).
+        scale_block: elements of a row per global scale (0: one scale per row; ``None``, the
+            default: 1024, and 256 at 4 bits and fewer, as :class:`hvd_gqsgd.GlobalQSGD`'s).
         rotation: ``"hadamard"``, ``None`` or ``"auto"`` (default: on at 4 bits and fewer),
             as :class:`hvd_gqsgd.GlobalQSGD`'s: every full block of the input is rotated
             before its norms (in place: the input is FSDP's scratch buffer) and each rank
@@ -100,9 +101,10 @@ class FSDPState(Transport):
     """
 
     def __init__(self, bits: int = 8, norm: str = "max", seed: int | None = None,
-                 scale_block: int = core.DEFAULT_SCALE_BLOCK,
+                 scale_block: int | None = None,
                  rotation: str | None = "auto") -> None:
-        super().__init__(core.Settings(bits=bits, norm=norm, seed=seed, scale_block=scale_block,
+        super().__init__(core.Settings(bits=bits, norm=norm, seed=seed,
+                                       scale_block=scale_block,  # type: ignore[arg-type]
                                        two_stage=True, rotation=rotation))
 
 
@@ -188,7 +190,7 @@ class GlobalQSGDReduceScatter:
 
 
 def register(model: torch.nn.Module, bits: int = 8, *, norm: str = "max",
-             seed: int | None = None, scale_block: int = core.DEFAULT_SCALE_BLOCK,
+             seed: int | None = None, scale_block: int | None = None,
              gradient_divide_factor: float | None = None,
              rotation: str | None = "auto") -> FSDPState:
     """Make every ``FSDPModule`` in ``model`` (``model`` itself included) reduce-scatter its

@@ -6,7 +6,7 @@ boundaries (:func:`hvd_gqsgd.core.chunk_plan`), so that the per-element temporar
 :func:`hvd_gqsgd.core.encode` and :func:`hvd_gqsgd.core.unpack` (the multiplier, the
 uniform, the codes, the unpacked lanes) exist for one chunk at a time, never for a whole
 bucket.  What outlives a call is per segment at most (:class:`Segments`: one int64 per scale
-block, 1/1024 of the elements at the default block), never per element.
+block, 1/1024 of the elements at 8 bits' default block), never per element.
 
 No device-to-host copy happens here: the per-segment tables go to the device once per
 layout (a host-to-device copy from pageable memory waits for the stream, so doing it per

@@ -429,7 +429,7 @@ def test_two_stage_hook_replays_the_oracle(name, tmp_path_factory):
                 for other in calls[1:]:
                     np.testing.assert_array_equal(other[k][2], got)  # bit-identical
                 xs = [c[k][1].astype(np.float32) for c in calls]
-                seg = segment_ids(numels, BLOCK)
+                seg = segment_ids(numels, core.default_scale_block(bits))
                 scale = np.zeros(seg.max() + 1)
                 for x in xs:
                     np.maximum.at(scale, seg, np.abs(x.astype(np.float64)))
@@ -452,9 +452,9 @@ def _flat_rotated(xs: list[np.ndarray], numels: list[int], serial: int, key: int
     rotated back."""
     from gqsgd_lab.rotation_oracle import forward, inverse
 
-    n = len(xs)
-    counts, _ = core.segments(numels, BLOCK)
-    ys = [forward(x, counts, BLOCK, key) for x in xs]
+    n, block = len(xs), core.default_scale_block(4)
+    counts, _ = core.segments(numels, block)
+    ys = [forward(x, counts, block, key) for x in xs]
     seg = np.repeat(np.arange(len(counts)), counts)
     scale = np.zeros(len(counts))
     for y in ys:
@@ -468,7 +468,7 @@ def _flat_rotated(xs: list[np.ndarray], numels: list[int], serial: int, key: int
         u = _uniforms(core.noise_key(core.rank_seed(5, r), serial), y.size)
         sums += (low + (u < (v - low).astype(np.float64))).astype(np.int64)
     step = (scale / level / n).astype(np.float32)
-    return inverse((sums * step[seg].astype(np.float64)).astype(np.float32), counts, BLOCK, key)
+    return inverse((sums * step[seg].astype(np.float64)).astype(np.float32), counts, block, key)
 
 
 def _two_stage_rotated(xs, numels, first: int, second: int, key: int) -> np.ndarray:
@@ -477,17 +477,17 @@ def _two_stage_rotated(xs, numels, first: int, second: int, key: int) -> np.ndar
     from gqsgd_lab.rotation_oracle import forward, inverse
     from gqsgd_lab.two_stage_oracle import across, segment_ids
 
-    n = len(xs)
-    counts, _ = core.segments(numels, BLOCK)
-    ys = [forward(x, counts, BLOCK, key) for x in xs]
-    seg = segment_ids(numels, BLOCK)
+    n, block = len(xs), core.default_scale_block(4)
+    counts, _ = core.segments(numels, block)
+    ys = [forward(x, counts, block, key) for x in xs]
+    seg = segment_ids(numels, block)
     scale = np.zeros(seg.max() + 1)
     for y in ys:
         np.maximum.at(scale, seg, np.abs(y.astype(np.float64)))
     keys = [(core.noise_key(core.rank_seed(5, r), first),
              core.noise_key(core.rank_seed(5, r), second)) for r in range(n)]
     out = across(ys, seg, scale, 4, keys, 1.0 / n).out.astype(np.float32)
-    return inverse(out, counts, BLOCK, key)
+    return inverse(out, counts, block, key)
 
 
 @pytest.mark.parametrize("name", _configs("rotation"))

@@ -133,7 +133,8 @@ def test_random_rows_replay_the_oracle_bit_for_bit(name, tmp_path_factory):
     for i, (step, bits, norm, divisor) in enumerate(cases):
         serial, shard, _ = ranks[0]["recorded"][i]
         xs = [random_rows(r, n, step, shard).reshape(-1) for r in range(n)]
-        want = stage_one_rows(xs, bits, _keys(5, n, serial), divisor, BLOCK, norm)
+        want = stage_one_rows(xs, bits, _keys(5, n, serial), divisor,
+                              core.default_scale_block(bits), norm)
         for t, rank in enumerate(ranks):
             assert rank["recorded"][i][0] == serial  # every rank at the same serial
             np.testing.assert_array_equal(rank["recorded"][i][2], want[t], err_msg=str(i))
@@ -141,24 +142,25 @@ def test_random_rows_replay_the_oracle_bit_for_bit(name, tmp_path_factory):
 
 @pytest.mark.parametrize("name", _configs("rotation"))
 def test_rotated_rows_replay_the_oracle_bit_for_bit(name, tmp_path_factory):
-    """rotation="hadamard": every rank rotates its whole input (blocks of 1024 in each row,
-    signs keyed by the call count), the oracle sums the rotated rows, and each rank rotates
-    its decoded row back (its blocks start at input element rank * shard): bit for bit."""
+    """rotation="hadamard": every rank rotates its whole input (blocks of the bits' default
+    scale block in each row, signs keyed by the call count), the oracle sums the rotated
+    rows, and each rank rotates its decoded row back (its blocks start at input element
+    rank * shard): bit for bit."""
     from gqsgd_lab.rotation_oracle import forward, inverse
-    from hvd_gqsgd import core
 
     ranks = _ranks(name, tmp_path_factory)
     n = len(ranks)
     steps = {0: 0, 1: 1, 2: 1, 3: 2}  # the input of each call (the second state ran twice)
     for i, (bits, serial, rotated, _) in enumerate(ranks[0]["rotation"]):
-        row, _ = core.segments([2500], BLOCK)
+        block = core.default_scale_block(bits)
+        row, _ = core.segments([2500], block)
         key = core.rotation_key(5, 0, rotated + 1)
-        xs = [forward(random_rows(r, n, 20 + steps[i], 2500).reshape(-1), row * n, BLOCK, key)
+        xs = [forward(random_rows(r, n, 20 + steps[i], 2500).reshape(-1), row * n, block, key)
               for r in range(n)]
-        want = stage_one_rows(xs, bits, _keys(5, n, serial), n, BLOCK)
+        want = stage_one_rows(xs, bits, _keys(5, n, serial), n, block)
         for t, rank in enumerate(ranks):
             assert rank["rotation"][i][1:3] == (serial, rotated)
-            back = inverse(want[t].astype(np.float32), row, BLOCK, key, start=t * 2500)
+            back = inverse(want[t].astype(np.float32), row, block, key, start=t * 2500)
             np.testing.assert_array_equal(rank["rotation"][i][3], back, err_msg=str(i))
 
 

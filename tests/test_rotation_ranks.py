@@ -40,11 +40,12 @@ def test_hierarchical_two_stage_with_rotation_replays_the_oracle():
 
     got = world.run(rank_work)
     assert any(name.endswith(".node_rs") for name in world.names), "hierarchical did not run"
-    counts, _ = core.segments(NUMELS, 1024)
+    block = core.default_scale_block(4)
+    counts, _ = core.segments(NUMELS, block)
     key = core.rotation_key(SEED, 0, 0)  # the first bucket of the first round
-    ys = [forward(np.concatenate(_inputs(r)), counts, 1024, key) for r in range(4)]
+    ys = [forward(np.concatenate(_inputs(r)), counts, block, key) for r in range(4)]
     rank_of = {(c, j): c * local + j for c in range(nodes) for j in range(local)}
     rotated = simulate_hierarchical(ys, NUMELS, 4, SEED, 1.0 / 4, nodes, local, rank_of)
-    want = inverse(rotated.astype(np.float32), counts, 1024, key)
+    want = inverse(rotated.astype(np.float32), counts, block, key)
     for out in got:
         np.testing.assert_array_equal(out, want)

@@ -17,6 +17,7 @@ from gqsgd_lab.two_stage_oracle import lane_width, predicted_variance, simulate,
 from hvd_gqsgd import core, kernels, two_stage
 
 NUMELS, SEED = TWO_STAGE_NUMELS, TWO_STAGE_SEED
+BLOCK = 1024  # the scale block the backends' steps are called with here, at every bits
 
 
 @pytest.mark.parametrize("bits", range(core.MIN_BITS, core.MAX_BITS + 1))
@@ -84,7 +85,7 @@ def test_plan_shards_cover_the_bucket_in_equal_whole_words(numels, block, n, bit
 
 @pytest.mark.parametrize("n", [1, 2, 5, 16])
 def test_message_layout_places_parts_without_overlap(n):
-    counts, first = core.segments(NUMELS, 1024)
+    counts, first = core.segments(NUMELS, BLOCK)
     plan = core.two_stage_plan(counts, n, 4)
     layout = core.message_layout([(plan, 0, 0)], plan.gather_words, len(counts))
     k2 = core.lanes_per_word(4)
@@ -166,8 +167,8 @@ def _simulate_backend(make, xs, numels, bits, factor):
     NumPy sum of the words and the allgather a concatenation of the messages."""
     n = len(xs)
     ranks = [make(r) for r in range(n)]
-    counts, first = core.segments(numels, 1024)
-    plan, layout = two_stage.plan_of(("test", tuple(numels), 1024), counts, n, bits)
+    counts, first = core.segments(numels, BLOCK)
+    plan, layout = two_stage.plan_of(("test", tuple(numels), BLOCK), counts, n, bits)
     scales = np.max([ranks[r].array(ranks[r].b.local_norms([], ranks[r].tensor(x), counts,
                                                             "max", []))
                      for r, x in enumerate(xs)], axis=0)
@@ -211,7 +212,7 @@ def test_local_steps_match_the_oracle_bit_for_bit(backend, bits, n, kind):
     xs = _inputs(n, numels, "random" if kind == "tiny" else kind)
     factor = 1.0 / n
     got, _ = _simulate_backend(BACKENDS[backend], xs, numels, bits, factor)
-    want = simulate(xs, numels, bits, SEED, factor)
+    want = simulate(xs, numels, bits, SEED, factor, block=BLOCK)
     np.testing.assert_array_equal(got, want.out)
 
 
@@ -259,9 +260,9 @@ def test_tf_graph_and_generic_paths_agree_with_eager():
 def _bound(xs, bits):
     """Per element, the most the sum can be off: n stage-1 steps plus one stage-2 step."""
     n = len(xs)
-    sim = simulate(xs, NUMELS, bits, SEED, 1.0)
+    sim = simulate(xs, NUMELS, bits, SEED, 1.0, block=BLOCK)
     l1, _ = stage_levels(bits, n)
-    counts, _ = core.segments(NUMELS, 1024)
+    counts, _ = core.segments(NUMELS, BLOCK)
     seg = np.repeat(np.arange(len(counts)), counts)
     scale = np.zeros(len(counts))
     for x in xs:
@@ -276,8 +277,8 @@ def _simulate_graph(xs, bits):
     from hvd_gqsgd.tensorflow import TensorFlowBackend
 
     n = len(xs)
-    counts, _ = core.segments(NUMELS, 1024)
-    plan, layout = two_stage.plan_of(("test", tuple(NUMELS), 1024), counts, n, bits)
+    counts, _ = core.segments(NUMELS, BLOCK)
+    plan, layout = two_stage.plan_of(("test", tuple(NUMELS), BLOCK), counts, n, bits)
     bs = [TensorFlowBackend(SEED) for _ in range(n)]
     flats = [tf.constant(x) for x in xs]
     scales = tf.reduce_max(tf.stack([b.local_norms([], f, counts, "max", [])
@@ -338,7 +339,7 @@ def _flat(xs, bits, seed):
     from gqsgd_lab.numpy_ops import NumpyOps
 
     ops, n = NumpyOps(), len(xs)
-    counts, _ = core.segments(NUMELS, 1024)
+    counts, _ = core.segments(NUMELS, BLOCK)
     level = core.levels(bits, n)
     seg = np.repeat(np.arange(len(counts)), counts)
     scale = np.zeros(len(counts))
@@ -356,7 +357,7 @@ def _flat(xs, bits, seed):
 
 
 def test_plans_are_cached_per_layout():
-    counts, _ = core.segments(NUMELS, 1024)
+    counts, _ = core.segments(NUMELS, BLOCK)
     a = two_stage.plan_of(("cache", tuple(NUMELS)), counts, 4, 8)
     assert two_stage.plan_of(("cache", tuple(NUMELS)), counts, 4, 8) is a
     assert two_stage.plan_of(("cache", tuple(NUMELS)), counts, 5, 8) is not a

@@ -88,10 +88,10 @@ def test_results_equal_the_oracle_bit_for_bit(config, tmp_path_factory):
 def test_stats_count_both_phases(config, tmp_path_factory):
     ranks = _job(config, tmp_path_factory)
     n = len(ranks)
-    counts, _ = core.segments(TWO_STAGE_NUMELS, core.DEFAULT_SCALE_BLOCK)
     for (bits, _op, _kind, graph), (_, stats) in ranks[0]["oracle"].items():
         if graph:
             continue
+        counts, _ = core.segments(TWO_STAGE_NUMELS, core.default_scale_block(bits))
         plan = core.two_stage_plan(counts, n, bits)
         # the reduce-scatter's input and the allgather's output, in allreduce terms
         assert stats["last_payload"] == 4 * (n * plan.shard_words + n * plan.message_words)
@@ -105,7 +105,7 @@ def _bound(xs, bits):
     whose part max |sum| is at most n L1 (so the step at most n s / L2)."""
     n = len(xs)
     l1, l2 = stage_levels(bits, n)
-    seg = segment_ids(TWO_STAGE_NUMELS, 1024)
+    seg = segment_ids(TWO_STAGE_NUMELS, core.default_scale_block(bits))
     scale = np.zeros(seg.max() + 1)
     for x in xs:
         np.maximum.at(scale, seg, np.abs(x.astype(np.float64)))
@@ -163,8 +163,8 @@ def test_error_below_flat_by_the_predicted_factor(config, tmp_path_factory):
 def test_default_goes_two_stage_below_15_levels(config, tmp_path_factory):
     ranks = _job(config, tmp_path_factory)
     n = len(ranks)
-    counts, _ = core.segments(TWO_STAGE_NUMELS, core.DEFAULT_SCALE_BLOCK)
     for bits, stats in ranks[0]["default_choice"].items():
+        counts, _ = core.segments(TWO_STAGE_NUMELS, core.default_scale_block(bits))
         two = core.flat_levels(bits, n) < 15
         expected = (core.two_stage_plan(counts, n, bits).wire_bytes() if two
                     else core.wire_bytes(sum(TWO_STAGE_NUMELS), bits))
@@ -240,26 +240,28 @@ def test_qprsgd_sync_averages_within_the_bound(config, tmp_path_factory):
 # --------------------------------------------------------------------------- rotation
 
 
-def _blocks_of(numels: list[int]) -> list[int]:
-    """The bucket's scale segments at 1024 (each tensor cut into blocks), from the sizes."""
-    return [c for n in numels for c in [1024] * (n // 1024) + ([n % 1024] if n % 1024 else [])]
+def _blocks_of(numels: list[int], block: int) -> list[int]:
+    """The bucket's scale segments (each tensor cut into blocks of ``block``), from the
+    sizes."""
+    return [c for n in numels
+            for c in [block] * (n // block) + ([n % block] if n % block else [])]
 
 
-def rotate_bucket(x: np.ndarray, numels: list[int], key: int) -> np.ndarray:
-    return forward(x, _blocks_of(numels), 1024, key)
+def rotate_bucket(x: np.ndarray, numels: list[int], key: int, block: int) -> np.ndarray:
+    return forward(x, _blocks_of(numels, block), block, key)
 
 
-def rotate_back(y: np.ndarray, numels: list[int], key: int) -> np.ndarray:
-    return inverse(y, _blocks_of(numels), 1024, key)
+def rotate_back(y: np.ndarray, numels: list[int], key: int, block: int) -> np.ndarray:
+    return inverse(y, _blocks_of(numels, block), block, key)
 
 
 def _flat_sum(ys: list[np.ndarray], numels: list[int], bits: int, serial: int) -> np.ndarray:
     """Flat Global-QSGD's sum (op=Sum) of the bucket ``ys`` as the kernels round it (key
     serial ``serial`` of each rank), written from the algorithm: levels (2**(bits-1)-1)//n,
-    a scale per 1024-block (max over ranks), float32 multipliers, lane sums times
-    float32(s / L)."""
+    a scale per block of the bits' default size (max over ranks), float32 multipliers, lane
+    sums times float32(s / L)."""
     n = len(ys)
-    seg = segment_ids(numels, 1024)
+    seg = segment_ids(numels, core.default_scale_block(bits))
     scale = np.zeros(seg.max() + 1)
     for y in ys:
         np.maximum.at(scale, seg, np.abs(y.astype(np.float64)))
@@ -292,22 +294,24 @@ def test_rotation_replays_the_oracle_bit_for_bit(config, tmp_path_factory):
             # the stream is the bucket's serial: in a round eagerly (names restart), across
             # traces in a graph (names stay unique in the process)
             key = core.rotation_key(TWO_STAGE_SEED, k if graph else 0, k)
-            ys = [rotate_bucket(x, TWO_STAGE_NUMELS, key) for x in xs]
+            block = core.default_scale_block(bits)
+            ys = [rotate_bucket(x, TWO_STAGE_NUMELS, key, block) for x in xs]
             if two:
                 rotated = simulate(ys, TWO_STAGE_NUMELS, bits, TWO_STAGE_SEED, 1.0,
                                    serial=2 * k + 1).out.astype(np.float32)
             else:
                 rotated = _flat_sum(ys, TWO_STAGE_NUMELS, bits, serial=k + 1)
-            want = rotate_back(rotated, TWO_STAGE_NUMELS, key)
+            want = rotate_back(rotated, TWO_STAGE_NUMELS, key, block)
             np.testing.assert_array_equal(got, want, err_msg=f"{case} round {k}")
 
 
-def _flat_variance(xs: list[np.ndarray], level: int) -> float:
-    """Expected squared error of flat Global-QSGD's sum of one 8192-element tensor: each
-    rank's unbiased rounding of y = x L / s adds frac(y) (1 - frac(y)) (s / L)**2."""
-    blocks = np.arange(xs[0].size) // 1024
+def _flat_variance(xs: list[np.ndarray], level: int, block: int) -> float:
+    """Expected squared error of flat Global-QSGD's sum of one 8192-element tensor with a
+    scale per ``block``: each rank's unbiased rounding of y = x L / s adds
+    frac(y) (1 - frac(y)) (s / L)**2."""
+    blocks = np.arange(xs[0].size) // block
     scale = np.max([np.abs(x.astype(np.float64)) for x in xs], axis=0)
-    scale = np.maximum.reduceat(scale, np.arange(0, xs[0].size, 1024))[blocks]
+    scale = np.maximum.reduceat(scale, np.arange(0, xs[0].size, block))[blocks]
     total = 0.0
     for x in xs:
         y = np.abs(x.astype(np.float64)) * level / scale
@@ -328,7 +332,8 @@ def test_rotation_cuts_heavy_tailed_error_by_the_predicted_factor_unbiased(confi
     n = len(ranks)
     xs = [np.random.default_rng([r, 23]).standard_t(2, 8192).astype(np.float32)
           for r in range(n)]
-    ys = [rotate_bucket(x, [8192], core.rotation_key(None, 0, 0)) for x in xs]
+    block = core.default_scale_block(4)
+    ys = [rotate_bucket(x, [8192], core.rotation_key(None, 0, 0), block) for x in xs]
     exact = np.sum(xs, axis=0, dtype=np.float64)
     measured = {}
     for case in ranks[0]["heavy"]:
@@ -340,7 +345,8 @@ def test_rotation_cuts_heavy_tailed_error_by_the_predicted_factor_unbiased(confi
             assert abs(z.mean()) < 5 / math.sqrt(z.size) and 0.8 < z.std() < 1.3, case
     if (False, None) in measured:
         level = (2**3 - 1) // n
-        plain, rotated = _flat_variance(xs, level), _flat_variance(ys, level) / 1024
+        plain = _flat_variance(xs, level, block)
+        rotated = _flat_variance(ys, level, block) / block
         assert measured[(False, None)] == pytest.approx(plain, rel=0.15)
         assert measured[(False, "hadamard")] == pytest.approx(rotated, rel=0.15)
         assert rotated < 0.8 * plain

@@ -9,7 +9,7 @@ from hvd_gqsgd import core
 
 # parameter shapes of the probe model: several scale blocks, a partial block, a tiny tensor
 SHAPES = [(3000,), (40, 50), (7,), (1500,)]
-BLOCK = core.DEFAULT_SCALE_BLOCK
+BLOCK = core.DEFAULT_SCALE_BLOCK  # the grid's period; every default scale block divides it
 GRID_EXPONENT = -3
 CHUNK_BYTES = 256  # chunk_bytes of the chunked runs: 256 codes at 8 bits, cut mid block
 EXACT_CASES = [(bits, dtype) for bits in (4, 8) for dtype in ("float32", "float16", "bfloat16")
@@ -22,15 +22,17 @@ def grid(numel: int) -> np.ndarray:
 
 
 def exact_inputs(rank: int, n: int, bits: int) -> list[np.ndarray]:
-    """Per tensor: integers k in [-L, L] times its grid, every block's max |x| = L * grid on
-    every rank, so x * L / s is an exact integer and rounding is deterministic.  Elements 1
+    """Per tensor: integers k in [-L, L] times its grid, every scale block's max |x| = L *
+    grid on every rank (the first element of each block of ``core.default_scale_block(bits)``
+    elements, the size the runs use), so x * L / s is an exact integer and rounding is
+    deterministic.  Elements 1
     and 2 hold +L and -L on every rank: their sums reach the overflow bound +-nL."""
     level = core.levels(bits, n)
     out = []
     for i, shape in enumerate(SHAPES):
         numel = int(np.prod(shape))
         k = np.random.default_rng([bits, n, rank, i]).integers(-level, level + 1, numel)
-        k[::BLOCK] = level * (-1) ** rank
+        k[::core.default_scale_block(bits)] = level * (-1) ** rank
         k[1:3] = [level, -level][:max(0, numel - 1)]
         out.append((k * grid(numel)).reshape(shape))
     return out

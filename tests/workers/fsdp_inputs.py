@@ -7,8 +7,9 @@ import numpy as np
 from ddp_inputs import digits_split as train_data  # noqa: F401
 
 from gqsgd_lab.two_stage_oracle import stage_levels
+from hvd_gqsgd import core
 
-BLOCK = 1024
+BLOCK = core.DEFAULT_SCALE_BLOCK  # the grid's period; every default scale block divides it
 # parameter shapes whose dim 0 does not divide by 2, 3, 4 or 8 (FSDP pads them), a tiny one
 SHAPES = [(3001,), (41, 50), (7,), (1499, 3)]
 # (bits, reduce dtype, shard size): partial blocks, a one-element shard, whole blocks
@@ -24,11 +25,12 @@ def grid(numel: int) -> np.ndarray:
 def grid_rows(rank: int, n: int, bits: int, shard: int) -> np.ndarray:
     """``n`` rows of ``shard`` elements: integers k in [-L1, L1] times their grid, every
     block's max |x| = L1 * grid on every rank (its first element), so x * L1 / s is an exact
-    integer and rounding is deterministic.  Elements 1 and 2 of each row hold +L1 and -L1
+    integer and rounding is deterministic (blocks of ``core.default_scale_block(bits)``
+    elements, the size the runs use).  Elements 1 and 2 of each row hold +L1 and -L1
     on every rank: their sums reach the lane bound +-n L1."""
     level = stage_levels(bits, n)[0]
     k = np.random.default_rng([bits, n, rank, shard]).integers(-level, level + 1, (n, shard))
-    k[:, ::BLOCK] = level * (-1) ** rank
+    k[:, ::core.default_scale_block(bits)] = level * (-1) ** rank
     k[:, 1:3] = [level, -level][:max(0, shard - 1)]
     return (k * grid(shard)).astype(np.float32)
 
