@@ -15,12 +15,12 @@ within 1.3x of PyTorch.  ``both`` compares the two in milliseconds and in NumPy 
 
 ``--rotation`` times, instead, the fused kernels' own round trip of the bucket (norms,
 quantize_pack, decode, as the engine runs them on one rank, without Horovod) three times:
-as is, with the Hadamard rotation at the default 1024-element scale blocks
-(``kernels.rotate_norms`` in place of ``segment_norms``, ``kernels.unrotate`` after
-decoding), and with the inverse fused into the decode (``Summed.unpack_bucket(...,
-rotation=)``), in this thread's CPU time against ``torch.add``; and the same for one rank's
-share of a two-stage round (``Messages.unpack_parts(..., rotation=)``).  Goal: the rotation
-adds at most 1.5 passes.
+as is, with the Hadamard rotation at the bits' default scale blocks (256 elements at 4 bits,
+1024 at 8: ``core.default_scale_block``; ``kernels.rotate_norms`` in place of
+``segment_norms``, ``kernels.unrotate`` after decoding), and with the inverse fused into
+the decode (``Summed.unpack_bucket(..., rotation=)``), in this thread's CPU time against
+``torch.add``; and the same for one rank's share of a two-stage round
+(``Messages.unpack_parts(..., rotation=)``).  Goal: the rotation adds at most 1.5 passes.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ TWO_FUSED = "two-stage round trip, rotated, decode fused with the inverse"
 def rotation_fns(n: int, bits: int) -> Fns:
     """The kernels' round trip of one ``n``-element float32 bucket on one rank (the sum of
     one rank's words is those words), without and with the rotation."""
-    block = core.DEFAULT_SCALE_BLOCK
+    block = core.default_scale_block(bits)
     counts = np.asarray(core.segments([n], block)[0])
     level = core.levels(bits, 1)
     x = np.random.default_rng(0).normal(size=n).astype(np.float32)
@@ -156,7 +156,7 @@ def two_stage_fns(n: int, bits: int, ranks: int = 2) -> Fns:
     from hvd_gqsgd import two_stage
     from hvd_gqsgd.torch_ops import TorchLocal, host_empty
 
-    block = core.DEFAULT_SCALE_BLOCK
+    block = core.default_scale_block(bits)
     counts = core.segments([n], block)[0]
     plan, layout = two_stage.plan_of(("cpu_cost", n), counts, ranks, bits)
     local = TorchLocal(0)
@@ -247,7 +247,8 @@ def rotation_section(mb: int, repeats: int) -> list[str]:
                         f"+1.5: {'met' if extra <= 1.5 else 'not met'} |")
     return [f"`python benchmarks/cpu_cost.py --rotation --doc` ({time.strftime('%Y-%m-%d')}): "
             f"the kernels' round trip of a {mb} MB fp32 bucket on one thread, without and with "
-            "the rotation (scale blocks of 1024), in this thread's CPU time and in `torch.add` "
+            "the rotation (the bits' default scale blocks: 256 elements at 4 bits, 1024 at "
+            "8), in this thread's CPU time and in `torch.add` "
             f"passes over the same bucket ({1e3 * t['add']:.1f} ms), median of {repeats}; "
             "flat is norms, quantize, pack and decode of one rank's words; two-stage is one "
             "rank's share of a 2-rank round (stage 1 of the whole bucket, the requantize of "

@@ -43,21 +43,22 @@ from gqsgd_lab.bench_common import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "LOW_BITS.md"
-BLOCK = 1024
 RANKS = (2, 4, 8, 16, 64)
 TRAIN_GOALS = {4: 2.0, 8: 1.0}  # % above fp32's validation loss, with the rotation
 
 
-def rotated_sum(rows: np.ndarray, sum_fn, key: int, numels: list[int]) -> np.ndarray:
-    """``sum_fn`` of the rows rotated by ``key``, rotated back (float64)."""
+def rotated_sum(rows: np.ndarray, sum_fn, key: int, numels: list[int], block: int
+                ) -> np.ndarray:
+    """``sum_fn`` of the rows rotated by ``key`` in blocks of ``block``, rotated back
+    (float64)."""
     from hvd_gqsgd import core, kernels
 
-    counts, _ = core.segments(numels, BLOCK)
+    counts, _ = core.segments(numels, block)
     rotated = np.empty_like(rows)
     for r in range(rows.shape[0]):
-        kernels.rotate_norms(rows[r], counts, BLOCK, key, "max", rotated[r])
+        kernels.rotate_norms(rows[r], counts, block, key, "max", rotated[r])
     total = np.ascontiguousarray(sum_fn(rotated), dtype=np.float64)
-    kernels.unrotate(total, counts, BLOCK, key)
+    kernels.unrotate(total, counts, block, key)
     return total
 
 
@@ -74,11 +75,12 @@ def error_part(draws: int) -> list[str]:
     from hvd_gqsgd import core
 
     grads, numels = gradients(max(RANKS))
-    counts, _ = core.segments(numels, BLOCK)
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     lines = ["| bits | ranks | flat | flat, rotated | two-stage | two-stage, rotated |",
              "|---|---|---|---|---|---|"]
     for bits in (4, 8):
+        block = core.default_scale_block(bits)
+        counts, _ = core.segments(numels, block)
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
         for n in RANKS:
             rows = grads[:n]
             exact = rows.astype(np.float64).sum(axis=0)
@@ -94,20 +96,23 @@ def error_part(draws: int) -> list[str]:
                         rng = np.random.default_rng([d, n, bits])
                         if two:
                             summed = functools.partial(two_stage_sum, numels=numels, bits=bits,
-                                                       seed=1000 * n + d)
+                                                       seed=1000 * n + d, block=block)
                         else:
                             summed = functools.partial(_flat_sum, counts=counts,
                                                        starts=starts,
                                                        level=core.levels(bits, n), rng=rng)
                         key = core.rotation_key(d, 0, 0)
-                        got = rotated_sum(rows, summed, key, numels) if rot else summed(rows)
+                        got = (rotated_sum(rows, summed, key, numels, block) if rot
+                               else summed(rows))
                         errs.append(np.linalg.norm(got - exact) / norm)
                     cells.append(f"{np.mean(errs):.3g}")
             lines.append(f"| {bits} | {n} | " + " | ".join(cells) + " |")
             print(lines[-1], flush=True)
     return [f"`python benchmarks/rotation.py --parts error` ({time.strftime('%Y-%m-%d')}): "
             f"relative error of the averaged gradient, digits MLP gradients mid-training (one "
-            f"per rank), {draws} rounding draws, scale blocks of {BLOCK}.", "", *lines]
+            f"per rank), {draws} rounding draws, each bits' default scale blocks "
+            f"({core.default_scale_block(4)} elements at 4 bits, "
+            f"{core.default_scale_block(8)} at 8).", "", *lines]
 
 
 def train_job(ranks: int, variants: str, seeds: str, steps: int) -> list[dict]:

@@ -77,12 +77,14 @@ def quantized_sum(rows: np.ndarray, scales: np.ndarray, counts: list[int], n_lev
 
 
 
-def two_stage_sum(rows: np.ndarray, numels: list[int], bits: int, seed: int) -> np.ndarray:
-    """The sum over ``rows`` (one gradient per rank) by two-stage Global-QSGD: every rank's
-    stage-1 words summed, each shard requantized by its rank, every message decoded."""
+def two_stage_sum(rows: np.ndarray, numels: list[int], bits: int, seed: int,
+                  block: int = core.DEFAULT_SCALE_BLOCK) -> np.ndarray:
+    """The sum over ``rows`` (one gradient per rank) by two-stage Global-QSGD with a scale
+    per ``block`` elements: every rank's stage-1 words summed, each shard requantized by its
+    rank, every message decoded."""
     n = rows.shape[0]
-    counts, _ = core.segments(numels, core.DEFAULT_SCALE_BLOCK)
-    plan, layout = two_stage.plan_of(("sim", tuple(numels)), counts, n, bits)
+    counts, _ = core.segments(numels, block)
+    plan, layout = two_stage.plan_of(("sim", tuple(numels), block), counts, n, bits)
     local = TorchLocal(seed)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     scales = torch.from_numpy(block_max(rows, starts))
