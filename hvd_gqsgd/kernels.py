@@ -274,9 +274,10 @@ if numba is not None:
         # out.size: U = W + H turns a signed-digit word (summed or not) into plain bit
         # fields (see _unpack_scale).  Word-major, so the stores are contiguous: lane-major
         # (one lane of a run of words at a time) vectorized the shifts but stored one
-        # element every 64/bits, which measured 1.1-2.9x slower at every width from 2 to 12
-        # bits.  4-bit lanes go through the bytes of U, two lanes per byte in order on a
-        # little-endian host, in a loop that vectorizes: 3-5x faster again.
+        # element every 64/bits, and was the slower of the two at every width timed.  4-bit
+        # lanes go through the bytes of U, two lanes per byte in order on a little-endian
+        # host, in a loop that vectorizes into float32 and int16 outputs
+        # (benchmarks/cpu_cost.py --rotation times the decodes).
         lanes = numba.uint64(64 // bits)
         half = numba.int64(1) << numba.int64(bits - 1)
         mask = numba.uint64((1 << bits) - 1)
