@@ -240,19 +240,12 @@ def test_qprsgd_sync_averages_within_the_bound(config, tmp_path_factory):
 # --------------------------------------------------------------------------- rotation
 
 
-def _blocks_of(numels: list[int], block: int) -> list[int]:
-    """The bucket's scale segments (each tensor cut into blocks of ``block``), from the
-    sizes."""
-    return [c for n in numels
-            for c in [block] * (n // block) + ([n % block] if n % block else [])]
-
-
 def rotate_bucket(x: np.ndarray, numels: list[int], key: int, block: int) -> np.ndarray:
-    return forward(x, _blocks_of(numels, block), block, key)
+    return forward(x, core.segments(numels, block)[0], block, key)
 
 
 def rotate_back(y: np.ndarray, numels: list[int], key: int, block: int) -> np.ndarray:
-    return inverse(y, _blocks_of(numels, block), block, key)
+    return inverse(y, core.segments(numels, block)[0], block, key)
 
 
 def _flat_sum(ys: list[np.ndarray], numels: list[int], bits: int, serial: int) -> np.ndarray:
