@@ -5,7 +5,7 @@ docstring, "Rotation"), not from the code under test.
   in float64 (where, for small integers, both are exact).
 * ``butterflies``: the canonical butterfly order, vectorized over blocks, in the rows' own
   dtype.  ``forward`` and ``inverse`` apply it to a bucket's full blocks.
-* ``sign_of``: the sign hash in Python integers, one element at a time, to check
+* ``sign_of``: a block element's sign in Python integers, one at a time, to check
   ``kernels.signs`` (the shared definition of the hash that ``forward`` uses, as
   gqsgd_lab/two_stage_oracle.py shares ``kernels.noise``).
 """
@@ -52,8 +52,10 @@ def full_block_starts(counts: list[int], block: int) -> np.ndarray:
 
 
 def _blocks(x: np.ndarray, counts: list[int], block: int, key: int, start: int):
-    index = full_block_starts(counts, block)[:, None] + np.arange(block)
-    d = kernels.signs(key, start, x.size).astype(x.dtype)[index]
+    starts = full_block_starts(counts, block)
+    index = starts[:, None] + np.arange(block)
+    d = np.array([kernels.signs(key, start + int(g), block) for g in starts],
+                 dtype=x.dtype).reshape(index.shape)
     return index, d
 
 
@@ -81,10 +83,12 @@ def _mix32(z: int) -> int:
     return z ^ (z >> 16)
 
 
-def sign_of(key: int, i: int) -> float:
-    """The sign of global element ``i``: -1 when bit 31 of its hash is set."""
+def sign_of(key: int, g: int, t: int) -> float:
+    """The sign of element ``t`` of the full block that starts at global element ``g``:
+    -1 when bit ``t % 32`` of the hash of index ``g + t // 32`` is set."""
+    i = g + t // 32
     seed = (key & M32) ^ _mix32(((key >> 32) + (i >> 32)) & M32)
-    return -1.0 if _mix32(((i & M32) + seed) & M32) >> 31 else 1.0
+    return -1.0 if (_mix32(((i & M32) + seed) & M32) >> (t % 32)) & 1 else 1.0
 
 
 def norms(y: np.ndarray, counts: list[int], norm: str) -> np.ndarray:

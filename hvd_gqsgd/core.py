@@ -51,12 +51,14 @@ float32 and float64:
 * **What rotates.**  The bucket's scale segments (:func:`segments` with ``block``) whose
   count equals ``block``: the *full blocks* (:func:`full_blocks`).  Shorter segments are
   left as they are.  ``block`` is a power of two in [2, ``MAX_ROTATION_BLOCK``].
-* **Signs.**  Bucket element ``i`` (its global index: ``start`` plus its index in the
-  array at hand) takes ``d_i = -1`` if bit 31 of ``h_i`` is set, else ``+1``, where
+* **Signs.**  Element ``t`` of the full block whose first element is bucket element ``g``
+  (its global index: ``start`` plus its offset in the array at hand) takes ``d_t = -1`` if
+  bit ``t mod 32`` of ``h_{g + floor(t / 32)}`` is set, else ``+1``, where
   ``h_i = mix32((low32(i) + seed(key, i >> 32)) mod 2**32)`` is the hash that keys the
   rounding noise (``kernels.noise`` takes its top 24 bits; ``kernels.signs`` is the NumPy
-  twin).  ``key`` (:func:`rotation_key`) is the same on every rank, so every rank rotates
-  by the same matrix and the sum of rotated vectors is the rotation of their sum.
+  twin): one hash signs 32 elements.  ``key`` (:func:`rotation_key`) is the same on every
+  rank, so every rank rotates by the same matrix and the sum of rotated vectors is the
+  rotation of their sum.
 * **Forward** (unnormalized).  ``y_b = H_B (d_b * x_b)`` for each full block ``b``, where
   ``H_B`` is the Sylvester Hadamard matrix, applied by butterflies in this order, in the
   vector's own dtype::
@@ -459,7 +461,7 @@ class TensorOps(Protocol):
     def column(self, x: Any, k: int) -> Any: ...
     def stack_columns(self, cols: Sequence[Any], numel: int) -> Any: ...
     def bitand(self, x: Any, mask: int) -> Any: ...
-    def rshift(self, x: Any, shift: int) -> Any: ...
+    def rshift(self, x: Any, shift: Any) -> Any: ...  # shift: int or int64 tensor
     def isfinite(self, x: Any) -> Any: ...
     def where(self, cond: Any, a: Any, b: Any) -> Any: ...
     # rotation (see rotate): int64 index rows (row r: starts[r] + 0 .. width - 1), gathering
@@ -882,10 +884,13 @@ def rotate(ops: TensorOps, x: Any, counts: Sequence[int], block: int, key: int,
     starts = full_blocks(counts, block)
     rows_per_chunk = max(1, min(ROTATE_CHUNK_ROWS, ROTATE_CHUNK_ELEMENTS // block))
     out = ops.copy(x)
+    t = ops.row_index([0], block, x)  # each element's place in its block
     for c in range(0, len(starts), rows_per_chunk):
         index = ops.row_index(starts[c:c + rows_per_chunk], block, x)
         rows = ops.gather_rows(x, index)
-        signs = ops.cast_like(1 - 2 * ops.rshift(hash32(ops, index + start, key), 31), rows)
+        word = index + (start - t + ops.rshift(t, 5))  # g + t // 32
+        bit = ops.bitand(ops.rshift(hash32(ops, word, key), ops.bitand(t, 31)), 1)
+        signs = ops.cast_like(1 - 2 * bit, rows)
         if not inverse:
             rows = rows * signs  # exact: a sign flip
         h = 1
@@ -901,8 +906,8 @@ def rotate(ops: TensorOps, x: Any, counts: Sequence[int], block: int, key: int,
 def hash32(ops: TensorOps, index: Any, key: int) -> Any:
     """The 32-bit hash (int64 holding uint32) of every element ``index`` (int64) of a piece
     keyed by ``key``: kernels._seed and kernels._mix32, spelled with TensorOps.  The
-    kernels' rounding noise is its top 24 bits (:func:`uniforms`), a rotation's signs its
-    top bit."""
+    kernels' rounding noise is its top 24 bits (:func:`uniforms`); a rotation signs 32
+    elements with the 32 bits of one hash."""
     high = ops.bitand(ops.rshift(index, 32) + (key >> 32), _MASK32)
     seed = ops.bitxor(_mix32(ops, high), key & _MASK32)
     return _mix32(ops, ops.bitand(ops.bitand(index, _MASK32) + seed, _MASK32))

@@ -56,6 +56,7 @@ _UNIT = 2.0**-24  # the rounding noise's resolution
 BLOCK = 1 << 14  # elements per work item: big enough to amortise, small enough for L2
 _LITTLE_ENDIAN = sys.byteorder == "little"  # a compile-time constant in the kernels
 PARALLEL_MIN = 1 << 18  # elements below which the serial twin of a kernel runs
+_LANES = 8  # elements per vector in the rotation's intrinsics
 
 
 def available() -> bool:
@@ -70,14 +71,17 @@ def noise(key: int, start: int, count: int) -> np.ndarray:
 
 
 def signs(key: int, start: int, count: int) -> np.ndarray:
-    """The rotation's float64 signs (+1 or -1) of elements ``start .. start + count`` of a
-    bucket whose rotation is keyed by ``key``: -1 where the top bit of the same hash as
-    :func:`noise` is set (the definition: :mod:`hvd_gqsgd.core`, "Rotation")."""
-    return 1.0 - 2.0 * (_hash_np(key, start, count) >> np.uint32(31))
+    """The rotation's float64 signs (+1 or -1) of the ``count`` elements of one full block
+    whose first element is bucket element ``start``, keyed by ``key``: element ``t`` takes
+    -1 where bit ``t % 32`` of the hash (:func:`noise`'s) of index ``start + t // 32`` is
+    set (the definition: :mod:`hvd_gqsgd.core`, "Rotation")."""
+    t = np.arange(count, dtype=np.uint64)
+    words = _hash_np(key, start, -(-count // 32))[t >> np.uint64(5)]
+    return 1.0 - 2.0 * ((words >> (t & np.uint64(31)).astype(np.uint32)) & np.uint32(1))
 
 
 def _hash_np(key: int, start: int, count: int) -> np.ndarray:
-    """The kernels' 32-bit hash of every element ``start .. start + count`` (uint32)."""
+    """The kernels' 32-bit hash of every index ``start .. start + count`` (uint32)."""
     i = np.arange(start, start + count, dtype=np.uint64)
     k = np.uint64(key)
     key_low, key_high = np.uint32(k & np.uint64(0xFFFFFFFF)), np.uint32(k >> np.uint64(32))
@@ -96,7 +100,12 @@ def _mix32_np(z: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint32(16))
 
 
+
 if numba is not None:
+    import numba.core.errors
+    import numba.extending
+    from llvmlite import ir
+
     _U = numba.uint32
 
     @numba.njit(inline="always")
@@ -114,6 +123,145 @@ if numba is not None:
     def _seed(key, high):
         """The 32-bit seed of bucket elements ``high * 2**32 .. (high + 1) * 2**32``."""
         return _U(_U(key) ^ _mix32(_U(_U(key >> numba.uint64(32)) + _U(high))))
+
+    # Hand-vectorized pieces of the rotation, as numba intrinsics emitting LLVM vector IR
+    # (_LANES elements of the array's dtype per vector; LLVM splits it into the registers
+    # the CPU has).  Each array argument is 1-D, C-contiguous, float32 or float64; offsets
+    # are element indices and, like numba's own indexing here, unchecked.
+
+    _I32 = ir.IntType(32)
+
+    def _ir_ints(values, width=_I32):
+        return ir.Constant(ir.VectorType(width, len(values)), list(values))
+
+    def _ir_splat(builder, value):
+        vec = ir.VectorType(value.type, _LANES)
+        one = builder.insert_element(ir.Constant(vec, ir.Undefined), value, _I32(0))
+        return builder.shuffle_vector(one, one, _ir_ints([0] * _LANES))
+
+    def _check_lanes(*arrays):
+        for a in arrays:
+            if not (isinstance(a, numba.types.Array) and a.ndim == 1 and a.layout == "C"
+                    and a.dtype in (numba.types.float32, numba.types.float64)
+                    and a.dtype == arrays[0].dtype):
+                raise numba.core.errors.TypingError(
+                    f"the rotation's vector kernels take 1-D C-contiguous float32 or float64 "
+                    f"arrays of one dtype, got {arrays}")
+
+    def _ir_vector(context, builder, arrty, arr, index):
+        """Pointer to the _LANES elements of ``arr`` from element ``index`` (an intp)."""
+        data = context.make_array(arrty)(context, builder, arr).data
+        vec = ir.VectorType(context.get_data_type(arrty.dtype), _LANES)
+        return builder.bitcast(builder.gep(data, [index]), vec.as_pointer())
+
+    def _ir_index(context, builder, sig, args, i):
+        return context.cast(builder, args[i], sig.args[i], numba.types.intp)
+
+    def _ir_in_lanes(builder, v, bitwidth):
+        # Stages h = 1, 2, 4 inside one vector: lane j pairs with j + h where bit h of j is
+        # clear.  With u the lanes swapped in pairs (u_j = v_(j xor h)), the pair's sum is
+        # v_j + u_j in lane j and its difference u_j - v_j = u_j + (-v_j) in lane j + h:
+        # one swap, one sign flip of the upper lanes and one add per stage
+        ints = ir.VectorType(ir.IntType(bitwidth), _LANES)
+        h = 1
+        while h < _LANES:
+            u = builder.shuffle_vector(v, v, _ir_ints([j ^ h for j in range(_LANES)]))
+            flip = _ir_ints([1 << (bitwidth - 1) if j & h else 0 for j in range(_LANES)],
+                            ints.element)
+            v = builder.fadd(u, builder.bitcast(builder.xor(builder.bitcast(v, ints), flip),
+                                                v.type))
+            h += h
+        return v
+
+    def _ir_across(builder, vs):
+        # log2(len(vs)) stages across the vectors vs: vector k pairs with k + h, h = 1, 2, ...
+        vs, h = list(vs), 1
+        while h < len(vs):
+            for k in range(len(vs)):
+                if not k & h:
+                    a, b = vs[k], vs[k + h]
+                    vs[k], vs[k + h] = builder.fadd(a, b), builder.fsub(a, b)
+            h += h
+        return vs
+
+    def _ir_transform(context, builder, arrty, arr, first, stride, count, in_lanes):
+        # Load ``count`` vectors at first, first + stride, ...; the stages inside each (if
+        # in_lanes), then across them; store them back
+        align = arrty.dtype.bitwidth // 8
+        at = [builder.add(first, builder.mul(stride, first.type(k))) for k in range(count)]
+        ptrs = [_ir_vector(context, builder, arrty, arr, i) for i in at]
+        vs = [builder.load(q, align=align) for q in ptrs]
+        if in_lanes:
+            vs = [_ir_in_lanes(builder, v, arrty.dtype.bitwidth) for v in vs]
+        for q, v in zip(ptrs, _ir_across(builder, vs)):
+            builder.store(v, q, align=align)
+        return context.get_dummy_value()
+
+    @numba.extending.intrinsic
+    def _wht_lanes(typingctx, v, p):
+        """Stages h = 1, 2, 4 of the _LANES elements v[p:p + 8]."""
+        _check_lanes(v)
+
+        def codegen(context, builder, sig, args):
+            first = _ir_index(context, builder, sig, args, 1)
+            return _ir_transform(context, builder, sig.args[0], args[0], first, first.type(0),
+                                 1, True)
+        return numba.types.void(v, p), codegen
+
+    @numba.extending.intrinsic
+    def _wht_64(typingctx, v, p):
+        """Stages h = 1 .. 32 of the 64 elements v[p:p + 64]: 1, 2, 4 inside each of its 8
+        vectors, 8, 16, 32 across them."""
+        _check_lanes(v)
+
+        def codegen(context, builder, sig, args):
+            first = _ir_index(context, builder, sig, args, 1)
+            return _ir_transform(context, builder, sig.args[0], args[0], first,
+                                 first.type(_LANES), 8, True)
+        return numba.types.void(v, p), codegen
+
+    def _make_across(count):
+        @numba.extending.intrinsic
+        def across(typingctx, v, p, h):
+            _check_lanes(v)
+
+            def codegen(context, builder, sig, args):
+                return _ir_transform(context, builder, sig.args[0], args[0],
+                                     _ir_index(context, builder, sig, args, 1),
+                                     _ir_index(context, builder, sig, args, 2), count, False)
+            return numba.types.void(v, p, h), codegen
+        across.__doc__ = (f"Stages h .. {count // 2}h across the {count} vectors at v[p], "
+                          f"v[p + h], ..., v[p + {count - 1}h] (h a multiple of _LANES).")
+        return across
+
+    _wht_across2, _wht_across4, _wht_across8 = (_make_across(2), _make_across(4),
+                                                 _make_across(8))
+
+    @numba.extending.intrinsic
+    def _signed_lanes(typingctx, src, s, dst, d, bits, scale):
+        """dst[d + k] = -w if bit k of ``bits`` is set else w, w = src[s + k] * scale, for
+        k = 0 .. 7 (_signed_block's signs; the negation flips the sign bit)."""
+        _check_lanes(src, dst)
+
+        def codegen(context, builder, sig, args):
+            arrty = sig.args[0]
+            ints = ir.VectorType(ir.IntType(arrty.dtype.bitwidth), _LANES)
+            byte = context.cast(builder, args[4], sig.args[4], numba.types.uint32)
+            set_ = builder.icmp_unsigned("!=", builder.and_(_ir_splat(builder, byte), _ir_ints(
+                [1 << k for k in range(_LANES)])), _ir_ints([0] * _LANES))
+            top = builder.select(set_, _ir_ints([1 << (arrty.dtype.bitwidth - 1)] * _LANES,
+                                                ints.element),
+                                 _ir_ints([0] * _LANES, ints.element))
+            align = arrty.dtype.bitwidth // 8
+            w = builder.load(_ir_vector(context, builder, arrty, args[0],
+                                        _ir_index(context, builder, sig, args, 1)), align=align)
+            scale = context.cast(builder, args[5], sig.args[5], arrty.dtype)
+            w = builder.fmul(w, _ir_splat(builder, scale))
+            w = builder.bitcast(builder.xor(builder.bitcast(w, ints), top), w.type)
+            builder.store(w, _ir_vector(context, builder, arrty, args[2],
+                                        _ir_index(context, builder, sig, args, 3)), align=align)
+            return context.get_dummy_value()
+        return numba.types.void(src, s, dst, d, bits, scale), codegen
 
     def _items_absmax_bits(bits_view, item_lo, item_hi, magnitude_mask, out):
         # For non-negative IEEE floats, integer order is float order, and NaN/Inf have the
@@ -323,26 +471,18 @@ if numba is not None:
             for t in range(numba.uint64(item_count[i])):  # unsigned: see _codes_run
                 out[o + t] = numba.float64(codes[lane + t]) * scale
 
-    # The rotation (core, "Rotation").  A full block goes through scratch in L1: signs, then
-    # log2(B) butterfly stages in constant geometry (_passes); the inverse runs the stages
-    # first, then 1/B and the signs.
-
-    @numba.njit
-    def _signed_copy(src, s0, dst, d0, t0, t1, base, scale):
-        """dst[d0 + t] = d_t * (src[s0 + t] * scale) for t in t0..t1, where d_t is the sign
-        of block element t: -1 where bit 31 of _mix32(u32(t + base)) is set (``base``: the
-        low bits of the block's first global index plus its seed, see _seed_bases).  ``-w``,
-        not ``w * -1``: the same bits, and a select vectorizes with the hash.  ``scale`` (1
-        forward, an exact 1/B in the inverse) multiplies first, as defined."""
-        for t in range(t0, t1):  # unsigned: see _codes_run
-            w = src[s0 + t] * scale
-            dst[d0 + t] = -w if _mix32(_U(_U(t) + base)) >> _U(31) else w
+    # The rotation (core, "Rotation").  A full block is signed into its destination, then
+    # transformed there in place while it sits in L1 (_wht); the inverse transforms in place,
+    # then scales by 1/B and signs on the way out.  Blocks of 8 elements and more go through
+    # the hand-vectorized intrinsics below (the loop vectorizer cannot prove a stage's two
+    # halves apart, and a stage with h < 8 pairs lanes of one vector); 2 and 4 through plain
+    # loops.
 
     @numba.njit(inline="always")
     def _seed_bases(g, n, key):
-        """A block of n elements from global index g: where its hash seed changes (the
-        global index crosses a multiple of 2**32; a block of at most 2**16 elements crosses
-        once at most) and the ``base`` of :func:`_signed_copy` on either side."""
+        """Hash indices g .. g + n: where the seed changes (the index crosses a multiple of
+        2**32; n is at most 2**11 here, so it crosses once at most) and, on either side, the
+        ``base`` that makes index g + w's hash _mix32(u32(w + base))."""
         high = g >> numba.uint64(32)
         cut = min(n, ((high + numba.uint64(1)) << numba.uint64(32)) - g)
         return (cut, _U(_U(g) + _seed(key, high)),
@@ -350,76 +490,81 @@ if numba is not None:
 
     @numba.njit
     def _signed_block(src, s0, dst, d0, n, g, key, scale):
-        cut, base0, base1 = _seed_bases(g, n, key)
-        _signed_copy(src, s0, dst, d0, numba.uint64(0), cut, base0, scale)
-        _signed_copy(src, s0, dst, d0, cut, n, base1, scale)
+        """dst[d0 + t] = d_t * (src[s0 + t] * scale) for the full block of n elements at
+        global index g (dst may be src at the same offset): d_t is -1 where bit t % 32 of
+        the hash of index g + t // 32 is set.  ``scale`` (1 forward, an exact 1/B in the
+        inverse) multiplies first, as defined."""
+        words = (n + numba.uint64(31)) >> numba.uint64(5)
+        cut, base0, base1 = _seed_bases(g, words, key)
+        for w in range(words):
+            h = _mix32(_U(_U(w) + (base0 if w < cut else base1)))
+            t0 = w << numba.uint64(5)
+            if n & numba.uint64(_LANES - 1):  # 2 or 4 elements: one word, plain loop
+                for t in range(n):
+                    x = src[s0 + t] * scale
+                    dst[d0 + t] = -x if (h >> _U(t)) & _U(1) else x
+            else:
+                for t in range(t0, min(t0 + numba.uint64(32), n), _LANES):
+                    _signed_lanes(src, s0 + t, dst, d0 + t, h >> _U(t - t0), scale)
 
     @numba.njit
-    def _stage2(src, s0, dst, d0, half):
-        # One butterfly stage in constant geometry (Pease): the pair (2q, 2q+1) goes to
-        # (q, q + B/2), sum first, which rotates the index bits right by one.  Stage s thus
-        # pairs the elements whose original indices differ in bit s, that bit clear first:
-        # the canonical butterfly of h = 2**s, operand for operand, so the same bits; after
-        # log2(B) stages the bits are back in place.  Unlike the canonical loop, whose
-        # small-h stages pair elements inside one vector, every stage is this same
-        # contiguous loop, which vectorizes.
-        for q in range(half):  # unsigned: see _codes_run
-            a, b = src[s0 + q + q], src[s0 + q + q + numba.uint64(1)]
-            dst[d0 + q] = a + b
-            dst[d0 + q + half] = a - b
-
-    @numba.njit
-    def _passes(src, s0, dst, d0, block, stages, buf, b0):
-        """``stages`` (at least 1) stages of _stage2 from src[s0:s0 + block] to
-        dst[d0:d0 + block] through the halves of buf (2 * block scratch): b0 first, then the
-        other (src may be the other).  Only offsets change from pass to pass, never which
-        array: numba counts references on every array assignment, which choosing an array
-        per pass would pay each pass.  One stage per pass: fusing two (four loads, four
-        stores) was no faster here, its de-interleaving shuffles costing what the saved
-        passes over a block in L1 gain."""
-        half = block >> numba.uint64(1)
-        if stages == 1:
-            _stage2(src, s0, dst, d0, half)
+    def _wht(v, lo, block):
+        """The butterflies of v[lo:lo + block] in place, stage h = 1, 2, 4, ... as defined:
+        h = 1, 2, 4 inside each vector, then up to three stages at once across 2, 4 or 8
+        vectors (_wht_across), every pair formed as the definition forms it."""
+        if block < _LANES:
+            h = numba.uint64(1)
+            while h < block:
+                for j0 in range(lo, lo + block, h + h):
+                    for j in range(j0, j0 + h):
+                        a, b = v[j], v[j + h]
+                        v[j] = a + b
+                        v[j + h] = a - b
+                h += h
             return
-        _stage2(src, s0, buf, b0, half)
-        at = b0
-        for _ in range(stages - 2):
-            _stage2(buf, at, buf, block - at, half)
-            at = block - at
-        _stage2(buf, at, dst, d0, half)
+        if block >= numba.uint64(8 * _LANES):
+            for p in range(lo, lo + block, 8 * _LANES):
+                _wht_64(v, p)
+            h = numba.uint64(8 * _LANES)
+        else:
+            for p in range(lo, lo + block, _LANES):
+                _wht_lanes(v, p)
+            h = numba.uint64(_LANES)
+        while h < block:
+            span = h + h
+            if span < block:
+                span += span
+                if span < block:
+                    span += span  # three stages: 8 vectors
+            for g in range(lo, lo + block, span):
+                for j in range(g, g + h, _LANES):
+                    if span == h << numba.uint64(3):
+                        _wht_across8(v, j, h)
+                    elif span == h << numba.uint64(2):
+                        _wht_across4(v, j, h)
+                    else:
+                        _wht_across2(v, j, h)
+            h = span
 
     @numba.njit
-    def _log2(block):
-        stages = numba.uint64(0)
-        while (numba.uint64(1) << stages) < block:
-            stages += numba.uint64(1)
-        return stages
+    def _forward(x, lo, out, block, g, key, one):
+        """out[lo:lo + block] = H_B (d * x[lo:lo + block]) (out may be x); g: the global
+        index of x[lo]; one: 1 in x's dtype."""
+        _signed_block(x, lo, out, lo, block, g, key, one)
+        _wht(out, lo, block)
 
     @numba.njit
-    def _forward(x, lo, out, block, g, key, one, buf, spare):
-        """out[lo:lo + block] = H_B (d * x[lo:lo + block]); g: the global index of x[lo];
-        one: 1 in x's dtype; spare: scratch of ``block``.  The last stage writes scratch and
-        a plain copy writes out: one store stream into out instead of the last stage's
-        four."""
-        _signed_block(x, lo, buf, block, block, g, key, one)
-        _passes(buf, block, spare, numba.uint64(0), block, _log2(block), buf, numba.uint64(0))
-        for t in range(block):
-            out[lo + t] = spare[t]
-
-    @numba.njit
-    def _inverse(src, s0, out, lo, block, g, key, inv, buf, spare):
-        """out[lo:lo + block] = d * ((H_B src[s0:s0 + block]) * inv); src may be the upper
-        half of buf; spare: scratch of ``block``, none of src, out and buf.  The signs go
-        in a separate pass: in the loop of the last two stages (or the forward's first two)
-        they kept those stages from vectorizing."""
-        _passes(src, s0, spare, numba.uint64(0), block, _log2(block), buf, numba.uint64(0))
-        _signed_block(spare, numba.uint64(0), out, lo, block, g, key, inv)
+    def _inverse(src, s0, out, lo, block, g, key, inv):
+        """out[lo:lo + block] = d * ((H_B src[s0:s0 + block]) * inv), transforming src in
+        place first (src may be out at the same offset, or scratch)."""
+        _wht(src, s0, block)
+        _signed_block(src, s0, out, lo, block, g, key, inv)
 
     @numba.njit(inline="always")
-    def _rotate_segment(x, out, lo, hi, block, key, start, one, buf, spare):
+    def _rotate_segment(x, out, lo, hi, block, key, start, one):
         # A full block rotated into out; any other segment copied
         if hi - lo == block:
-            _forward(x, lo, out, block, start + lo, key, one, buf, spare)
+            _forward(x, lo, out, block, start + lo, key, one)
         else:
             for i in range(lo, hi):
                 out[i] = x[i]
@@ -437,10 +582,9 @@ if numba is not None:
         per, items = _groups(bounds.size - 1, block)
         n = numba.uint64(block)
         for w in numba.prange(items):
-            buf, spare = np.empty(2 * block, x.dtype), np.empty(block, x.dtype)
             for s in range(w * per, min((w + 1) * per, bounds.size - 1)):
                 lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
-                _rotate_segment(x, out, lo, hi, n, key, numba.uint64(start), one, buf, spare)
+                _rotate_segment(x, out, lo, hi, n, key, numba.uint64(start), one)
                 m = out_bits.dtype.type(0)
                 for i in range(lo, hi):
                     m = max(m, out_bits[i] & magnitude_mask)
@@ -451,10 +595,9 @@ if numba is not None:
         per, items = _groups(bounds.size - 1, block)
         n = numba.uint64(block)
         for w in numba.prange(items):
-            buf, spare = np.empty(2 * block, x.dtype), np.empty(block, x.dtype)
             for s in range(w * per, min((w + 1) * per, bounds.size - 1)):
                 lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
-                _rotate_segment(x, out, lo, hi, n, key, numba.uint64(start), one, buf, spare)
+                _rotate_segment(x, out, lo, hi, n, key, numba.uint64(start), one)
                 acc = np.zeros(8)
                 for i in range(lo, hi):
                     v = numba.float64(out[i])
@@ -472,7 +615,7 @@ if numba is not None:
         per, items = _groups(seg_lo.size, block)
         n = numba.uint64(block)
         for w in numba.prange(items):
-            buf, spare = np.empty(2 * block, out.dtype), np.empty(block, out.dtype)
+            buf = np.empty(block, out.dtype)
             for s in range(w * per, min((w + 1) * per, seg_lo.size)):
                 lo, hi = numba.uint64(seg_lo[s]), numba.uint64(seg_hi[s])
                 full = hi - lo == n
@@ -480,25 +623,24 @@ if numba is not None:
                     lane, o = numba.uint64(item_lane[i]), numba.uint64(item_out[i])
                     scale = numba.float64(item_scale[i])
                     if full:
-                        o = o - lo + n  # the upper half of buf
+                        o = o - lo  # into buf
                         for t in range(numba.uint64(item_count[i])):
                             buf[o + t] = numba.float64(codes[lane + t]) * scale
                     else:
                         for t in range(numba.uint64(item_count[i])):
                             out[o + t] = numba.float64(codes[lane + t]) * scale
                 if full:
-                    _inverse(buf, n, out, lo, n, numba.uint64(start) + lo, key, inv, buf,
-                             spare)
+                    _inverse(buf, numba.uint64(0), out, lo, n, numba.uint64(start) + lo, key,
+                             inv)
 
     def _unrotate(v, bounds, block, key, start, inv):
         per, items = _groups(bounds.size - 1, block)
         n = numba.uint64(block)
         for w in numba.prange(items):
-            buf, spare = np.empty(2 * block, v.dtype), np.empty(block, v.dtype)
             for s in range(w * per, min((w + 1) * per, bounds.size - 1)):
                 lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
                 if hi - lo == n:
-                    _inverse(v, lo, v, lo, n, numba.uint64(start) + lo, key, inv, buf, spare)
+                    _inverse(v, lo, v, lo, n, numba.uint64(start) + lo, key, inv)
 
     def _twin(fn):
         """Compile ``fn`` twice: threaded for big inputs, serial for small ones (a threaded

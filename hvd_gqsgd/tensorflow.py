@@ -195,8 +195,8 @@ class TensorFlowBackend:
     def bitand(self, x: Any, mask: int) -> Any:
         return tf.bitwise.bitwise_and(x, tf.constant(mask, x.dtype))
 
-    def rshift(self, x: Any, shift: int) -> Any:
-        return tf.bitwise.right_shift(x, tf.constant(shift, x.dtype))  # arithmetic for int64
+    def rshift(self, x: Any, shift: Any) -> Any:
+        return tf.bitwise.right_shift(x, tf.cast(shift, x.dtype))  # arithmetic for int64
 
     def isfinite(self, x: Any) -> Any:
         return tf.math.is_finite(x)

@@ -157,7 +157,7 @@ class TorchOps:
     def bitand(self, x: Any, mask: int) -> Any:
         return torch.bitwise_and(x, mask)
 
-    def rshift(self, x: Any, shift: int) -> Any:
+    def rshift(self, x: Any, shift: Any) -> Any:
         return torch.bitwise_right_shift(x, shift)
 
     def copy(self, x: Any) -> Any:

@@ -21,7 +21,7 @@ from hvd_gqsgd import core, kernels
 
 NP = NumpyOps()
 KEY = core.rotation_key(5, 0, 1)
-BLOCKS = [2, 4, 8, 16, 32, 128, 1024]
+BLOCKS = [2, 4, 8, 16, 32, 64, 128, 256, 1024]
 DTYPES = [np.float32, np.float64]
 
 
@@ -51,20 +51,23 @@ def test_butterfly_oracle_is_the_sylvester_matrix(block):
 
 
 def test_sign_hash_matches_python_integers():
-    # kernels.signs (NumPy, shared by the oracle) against the hash in Python ints, across
-    # the 2**32 boundary where the seed changes
-    for start in (0, 1000, 2**32 - 40, 2**40 + 3):
-        expected = [oracle.sign_of(KEY, i) for i in range(start, start + 80)]
-        np.testing.assert_array_equal(kernels.signs(KEY, start, 80), expected)
+    # kernels.signs (NumPy, shared by the oracle) against the hash in Python ints, for
+    # blocks whose hash indices cross the 2**32 boundary where the seed changes
+    for start, block in ((0, 80), (1000, 2), (1000, 256), (2**32 - 3, 256), (2**40 + 3, 64)):
+        expected = [oracle.sign_of(KEY, start, t) for t in range(block)]
+        np.testing.assert_array_equal(kernels.signs(KEY, start, block), expected)
 
 
 def test_signs_are_balanced_and_keyed():
     d = kernels.signs(KEY, 0, 1 << 16)
     assert set(np.unique(d)) == {-1.0, 1.0}
     assert abs(np.mean(d)) < 4 / np.sqrt(d.size)  # about half are -1 (4 sigma)
-    assert abs(np.mean(d[1:] * d[:-1])) < 4 / np.sqrt(d.size)  # neighbours uncorrelated
+    for lag in (1, 8, 31, 32):  # inside one hash, and across hashes
+        assert abs(np.mean(d[lag:] * d[:-lag])) < 4 / np.sqrt(d.size)  # uncorrelated
     other = kernels.signs(core.rotation_key(5, 0, 2), 0, d.size)
     assert 0.45 < np.mean(d != other) < 0.55  # another round: fresh signs
+    moved = kernels.signs(KEY, 32 * 1024, 1024)  # another block: other hashes
+    assert 0.4 < np.mean(d[:1024] != moved) < 0.6
 
 
 # ----------------------------------------------------------------------------- fused kernels
@@ -360,14 +363,14 @@ def test_generic_numpy_rotate_matches_oracle_chunk_by_chunk(dtype, monkeypatch):
     x, counts = _bucket([11 * block + 3, block, 5], block, dtype)
     before = x.copy()
     seen = []
-    row_index = NP.row_index
+    gather_rows = NP.gather_rows
 
-    def spy(starts, width, like):
-        seen.append(len(starts))
-        return row_index(starts, width, like)
+    def spy(x, index):
+        seen.append(len(index))
+        return gather_rows(x, index)
 
     monkeypatch.setattr(core, "ROTATE_CHUNK_ROWS", 5)
-    monkeypatch.setattr(NP, "row_index", spy)
+    monkeypatch.setattr(NP, "gather_rows", spy)
     y = core.rotate(NP, x, counts, block, KEY, start=9)
     assert seen == [5, 5, 2]  # 12 full blocks, at most 5 at a time
     _same_bits(y, oracle.forward(before, counts, block, KEY, 9))
@@ -378,9 +381,9 @@ def test_generic_numpy_rotate_matches_oracle_chunk_by_chunk(dtype, monkeypatch):
 
 def test_generic_chunks_are_bounded_in_elements(monkeypatch):
     seen = []
-    row_index = NP.row_index
-    monkeypatch.setattr(NP, "row_index", lambda s, w, like: seen.append(len(s) * w)
-                        or row_index(s, w, like))
+    gather_rows = NP.gather_rows
+    monkeypatch.setattr(NP, "gather_rows", lambda x, index: seen.append(index.size)
+                        or gather_rows(x, index))
     monkeypatch.setattr(core, "ROTATE_CHUNK_ELEMENTS", 64)
     x, counts = _bucket([10 * 16], 16, np.float32)
     y = core.rotate(NP, x, counts, 16, KEY)
