@@ -988,25 +988,30 @@ def unrotate(x: np.ndarray, counts: Sequence[int], block: int, key: int, start: 
          x.dtype.type(1.0 / block))
 
 
-def window_segments(counts: Sequence[int], start: int, size: int, block: int
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The segments of ``counts`` cut to the bucket elements ``start .. start + size``: their
-    first and end elements (counted from ``start``) and their index.  Refuses a window that
-    cuts a full block (``block`` elements), whose inverse rotation needs all of it."""
+def window_segments(counts: Sequence[int] | np.ndarray, start: int, size: int, block: int
+                     ) -> tuple[np.ndarray, np.ndarray, int]:
+    """The segments of ``counts`` (each positive) cut to the bucket elements ``start ..
+    start + size``: their first and end elements (counted from ``start``), and the index of
+    the first of them (they are consecutive).  Refuses a window that cuts a full block
+    (``block`` elements), whose inverse rotation needs all of it."""
     bounds = _bounds(counts)
-    lo = np.clip(bounds[:-1], start, start + size) - start
-    hi = np.clip(bounds[1:], start, start + size) - start
-    keep = np.flatnonzero(hi > lo)
-    cut = (np.diff(bounds)[keep] == block) & (hi[keep] - lo[keep] != block)
-    if cut.any():
-        first = int(keep[np.argmax(cut)])
-        raise ValueError(f"elements {start}..{start + size} of the bucket cut the full block "
-                         f"at element {int(bounds[first])}, which a rotation transforms as a "
-                         "whole: decode the bucket whole, or in windows of whole blocks")
-    return lo[keep], hi[keep], keep
+    if size <= 0:
+        return bounds[:0], bounds[:0], 0
+    stop = start + size
+    first = int(np.searchsorted(bounds, start, side="right")) - 1  # the one holding start
+    last = int(np.searchsorted(bounds, stop, side="left"))  # past the one holding stop - 1
+    lo = np.maximum(bounds[first:last], start) - start
+    hi = np.minimum(bounds[first + 1:last + 1], stop) - start
+    for s in (first, last - 1):  # only the window's ends can cut a segment
+        whole = int(bounds[s + 1] - bounds[s])
+        if whole == block and hi[s - first] - lo[s - first] != block:
+            raise ValueError(f"elements {start}..{stop} of the bucket cut the full block at "
+                             f"element {int(bounds[s])}, which a rotation transforms as a "
+                             "whole: decode the bucket whole, or in windows of whole blocks")
+    return lo, hi, first
 
 
-def _bounds(counts: Sequence[int]) -> np.ndarray:
+def _bounds(counts: Sequence[int] | np.ndarray) -> np.ndarray:
     """Segment boundaries: 0, then the running total of ``counts`` (int64)."""
     out = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=out[1:])
@@ -1209,8 +1214,8 @@ class Summed:
             _run(_unpack_fields, out.size, self.words, self.bits, _offset(self.bits), codes)
         if rotation is not None:
             block, key = rotation
-            lo, hi, segment = window_segments(counts, start, out.size, block)
-            scale = np.asarray(scales, dtype=out.dtype)[segment]
+            lo, hi, first = window_segments(counts, start, out.size, block)
+            scale = np.asarray(scales, dtype=out.dtype)[first:first + lo.size]
             one = np.arange(lo.size, dtype=np.int64)  # one item per segment
             _run(_scale_unrotate_items, out.size, codes, lo, hi, one, one + 1, lo, lo, hi - lo,
                  scale, out, block, np.uint64(key), start, out.dtype.type(1.0 / block))
@@ -1284,27 +1289,36 @@ class Messages:
             return
         block, key = rotation
         layout = self.layout
-        lo, hi, segment = window_segments(segment_counts(layout), start, out.size, block)
+        lo, hi, s = window_segments(segment_counts(layout), start, out.size, block)
         # each segment's items: those of its parts, cut to the window's
-        part_of = np.asarray(layout.first, dtype=np.int64)
-        i0 = np.clip(first[part_of[segment]], a, b) - a
-        i1 = np.clip(first[part_of[segment + 1]], a, b) - a
+        part_of = _derived_array(layout, "first", layout.first)[s:s + lo.size + 1]
+        i0 = np.clip(first[part_of[:-1]], a, b) - a
+        i1 = np.clip(first[part_of[1:]], a, b) - a
         _run(_scale_unrotate_items, out.size, self.codes, lo, hi, i0, i1, lane[a:b],
              pos[a:b] - start, count[a:b], item_scale, out, block, np.uint64(key), start,
              out.dtype.type(1.0 / block))
 
 
-def segment_counts(layout: Any) -> tuple[int, ...]:
-    """The elements of each scale segment of a two-stage bucket: the sum of its parts'
-    counts, since the parts of a :class:`hvd_gqsgd.core.MessageLayout` tile the bucket in
-    order (made once per layout)."""
+def segment_counts(layout: Any) -> np.ndarray:
+    """The elements of each scale segment of a two-stage bucket (int64): the sum of its
+    parts' counts, since the parts of a :class:`hvd_gqsgd.core.MessageLayout` tile the
+    bucket in order (made once per layout)."""
     counts = layout.derived.get("segment_counts")
     if counts is None:
         edges = _bounds(layout.counts)
-        first = np.asarray(layout.first, dtype=np.int64)
-        counts = layout.derived["segment_counts"] = tuple(
-            (edges[first[1:]] - edges[first[:-1]]).tolist())
+        first = _derived_array(layout, "first", layout.first)
+        counts = layout.derived["segment_counts"] = edges[first[1:]] - edges[first[:-1]]
     return counts
+
+
+def _derived_array(layout: Any, name: str, values: Sequence[int]) -> np.ndarray:
+    """``values`` (a field of ``layout``, which never changes) as int64, made once per
+    layout: converting a list of one entry per segment costs milliseconds each step."""
+    key = ("kernels", name)
+    array = layout.derived.get(key)
+    if array is None:
+        array = layout.derived[key] = np.asarray(values, dtype=np.int64)
+    return array
 
 
 def _message_items(layout: Any) -> tuple[np.ndarray, ...]:

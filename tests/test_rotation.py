@@ -244,6 +244,27 @@ def test_decode_fused_with_the_inverse_by_windows():
             rotation=(block, KEY))
 
 
+@given(counts=st.lists(st.integers(1, 40), min_size=1, max_size=12), data=st.data())
+@settings(max_examples=200, deadline=None)
+def test_window_segments_against_every_segment(counts, data):
+    # the window's segments and their cut bounds, against a walk over every segment
+    total = sum(counts)
+    start = data.draw(st.integers(0, total - 1))
+    size = data.draw(st.integers(1, total - start))
+    block = data.draw(st.sampled_from(sorted(set(counts))))
+    edges = np.concatenate([[0], np.cumsum(counts)])
+    inside = [s for s in range(len(counts)) if edges[s] < start + size and edges[s + 1] > start]
+    lo = [max(edges[s], start) - start for s in inside]
+    hi = [min(edges[s + 1], start + size) - start for s in inside]
+    cut = [s for s, a, b in zip(inside, lo, hi) if counts[s] == block and b - a != block]
+    if cut:
+        with pytest.raises(ValueError, match=f"cut the full block at element {edges[cut[0]]},"):
+            kernels.window_segments(counts, start, size, block)
+        return
+    got_lo, got_hi, first = kernels.window_segments(counts, start, size, block)
+    assert (got_lo.tolist(), got_hi.tolist(), first) == (lo, hi, inside[0])
+
+
 def _gathered(n, bits, block, dtype, seed=0, numels=None):
     """A two-stage bucket's layout at ``n`` ranks and gathered words of random stage-2 codes,
     each part's slot a positive max; the plain decode of every part, and its scales."""
@@ -269,7 +290,7 @@ def test_two_stage_decode_fused_with_the_inverse_matches_oracle(n, bits, dtype, 
     counts, layout, words, scales, plain = _gathered(n, bits, block, dtype)
     if block >= 64:  # shard edges (at word boundaries) cut segments into several parts
         assert len(layout.counts) > len(counts)
-    assert kernels.segment_counts(layout) == tuple(counts)
+    np.testing.assert_array_equal(kernels.segment_counts(layout), counts)
     fused = np.empty_like(plain)
     kernels.Messages(words, layout).unpack_parts(0, len(layout.counts), fused, scales, 0,
                                                  (block, KEY))
