@@ -124,10 +124,10 @@ if numba is not None:
         """The 32-bit seed of bucket elements ``high * 2**32 .. (high + 1) * 2**32``."""
         return _U(_U(key) ^ _mix32(_U(_U(key >> numba.uint64(32)) + _U(high))))
 
-    # Hand-vectorized pieces of the rotation, as numba intrinsics emitting LLVM vector IR
+    # Hand-vectorized butterflies of the rotation, as numba intrinsics emitting LLVM vector IR
     # (_LANES elements of the array's dtype per vector; LLVM splits it into the registers
-    # the CPU has).  Each array argument is 1-D, C-contiguous, float32 or float64; offsets
-    # are element indices and, like numba's own indexing here, unchecked.
+    # the CPU has).  Float arrays are 1-D, C-contiguous, float32 or float64; offsets are
+    # element indices and, like numba's own indexing here, unchecked.
 
     _I32 = ir.IntType(32)
 
@@ -148,28 +148,35 @@ if numba is not None:
                     f"the rotation's vector kernels take 1-D C-contiguous float32 or float64 "
                     f"arrays of one dtype, got {arrays}")
 
-    def _ir_vector(context, builder, arrty, arr, index):
-        """Pointer to the _LANES elements of ``arr`` from element ``index`` (an intp)."""
-        data = context.make_array(arrty)(context, builder, arr).data
+    def _ir_at(context, builder, arrty, arr, index, vector=True):
+        """Pointer to arr[index] (index: an intp), as a vector of _LANES elements."""
+        ptr = builder.gep(context.make_array(arrty)(context, builder, arr).data, [index])
+        if not vector:
+            return ptr
         vec = ir.VectorType(context.get_data_type(arrty.dtype), _LANES)
-        return builder.bitcast(builder.gep(data, [index]), vec.as_pointer())
+        return builder.bitcast(ptr, vec.as_pointer())
 
-    def _ir_index(context, builder, sig, args, i):
-        return context.cast(builder, args[i], sig.args[i], numba.types.intp)
+    def _ir_flip(builder, v, mask):
+        # v with the sign bit flipped in the lanes where mask (a vector of i1) is set: the
+        # bits of a negation
+        ints = ir.VectorType(ir.IntType(64 if isinstance(v.type.element, ir.DoubleType)
+                                        else 32), _LANES)
+        zero = _ir_ints([0] * _LANES, ints.element)
+        top = _ir_ints([1 << (ints.element.width - 1)] * _LANES, ints.element)
+        flip = builder.select(mask, top, zero)
+        return builder.bitcast(builder.xor(builder.bitcast(v, ints), flip), v.type)
 
-    def _ir_in_lanes(builder, v, bitwidth):
+    def _ir_in_lanes(builder, v):
         # Stages h = 1, 2, 4 inside one vector: lane j pairs with j + h where bit h of j is
         # clear.  With u the lanes swapped in pairs (u_j = v_(j xor h)), the pair's sum is
         # v_j + u_j in lane j and its difference u_j - v_j = u_j + (-v_j) in lane j + h:
         # one swap, one sign flip of the upper lanes and one add per stage
-        ints = ir.VectorType(ir.IntType(bitwidth), _LANES)
         h = 1
         while h < _LANES:
             u = builder.shuffle_vector(v, v, _ir_ints([j ^ h for j in range(_LANES)]))
-            flip = _ir_ints([1 << (bitwidth - 1) if j & h else 0 for j in range(_LANES)],
-                            ints.element)
-            v = builder.fadd(u, builder.bitcast(builder.xor(builder.bitcast(v, ints), flip),
-                                                v.type))
+            upper = ir.Constant(ir.VectorType(ir.IntType(1), _LANES),
+                                [bool(j & h) for j in range(_LANES)])
+            v = builder.fadd(u, _ir_flip(builder, v, upper))
             h += h
         return v
 
@@ -184,84 +191,82 @@ if numba is not None:
             h += h
         return vs
 
-    def _ir_transform(context, builder, arrty, arr, first, stride, count, in_lanes):
-        # Load ``count`` vectors at first, first + stride, ...; the stages inside each (if
-        # in_lanes), then across them; store them back
-        align = arrty.dtype.bitwidth // 8
-        at = [builder.add(first, builder.mul(stride, first.type(k))) for k in range(count)]
-        ptrs = [_ir_vector(context, builder, arrty, arr, i) for i in at]
-        vs = [builder.load(q, align=align) for q in ptrs]
-        if in_lanes:
-            vs = [_ir_in_lanes(builder, v, arrty.dtype.bitwidth) for v in vs]
-        for q, v in zip(ptrs, _ir_across(builder, vs)):
-            builder.store(v, q, align=align)
-        return context.get_dummy_value()
+    def _ir_signed(context, builder, v, sig, args, at):
+        # v times the scale (args[7]), then the signs of the block's 8 elements from ``at``
+        # (an intp, a multiple of 8): bit k of byte at / 8 of the sign bytes (args[5]) flips
+        # lane k
+        arrty = sig.args[0]
+        scale = context.cast(builder, args[7], sig.args[7], arrty.dtype)
+        v = builder.fmul(v, _ir_splat(builder, scale))
+        byte_at = builder.lshr(at, at.type(3))
+        byte = builder.load(_ir_at(context, builder, sig.args[5], args[5], byte_at, False))
+        bits = builder.and_(_ir_splat(builder, builder.zext(byte, _I32)),
+                            _ir_ints([1 << k for k in range(_LANES)]))
+        return _ir_flip(builder, v, builder.icmp_unsigned("!=", bits, _ir_ints([0] * _LANES)))
 
-    @numba.extending.intrinsic
-    def _wht_lanes(typingctx, v, p):
-        """Stages h = 1, 2, 4 of the _LANES elements v[p:p + 8]."""
-        _check_lanes(v)
-
+    def _make_butterflies(count, in_lanes, signs):
+        """An intrinsic running, on ``count`` vectors h apart, the stages h = 1, 2, 4 inside
+        each (with ``in_lanes``), then log2(count) stages across them (the vector k pairs
+        with k + 1, then k + 2, ...).  ``signs=None``: ``(v, p, h)``, in place on v[p],
+        v[p + h], ...  ``"in"``/``"out"``: ``(src, s, dst, d, h, sign_bytes, t, scale)``:
+        from src[s + kh] to dst[d + kh], each vector times ``scale`` and signed (as
+        _ir_signed, for block element t + kh) before the stages (``"in"``) or after them
+        (``"out"``)."""
         def codegen(context, builder, sig, args):
-            first = _ir_index(context, builder, sig, args, 1)
-            return _ir_transform(context, builder, sig.args[0], args[0], first, first.type(0),
-                                 1, True)
-        return numba.types.void(v, p), codegen
+            def index(i):
+                return context.cast(builder, args[i], sig.args[i], numba.types.intp)
 
-    @numba.extending.intrinsic
-    def _wht_64(typingctx, v, p):
-        """Stages h = 1 .. 32 of the 64 elements v[p:p + 64]: 1, 2, 4 inside each of its 8
-        vectors, 8, 16, 32 across them."""
-        _check_lanes(v)
-
-        def codegen(context, builder, sig, args):
-            first = _ir_index(context, builder, sig, args, 1)
-            return _ir_transform(context, builder, sig.args[0], args[0], first,
-                                 first.type(_LANES), 8, True)
-        return numba.types.void(v, p), codegen
-
-    def _make_across(count):
-        @numba.extending.intrinsic
-        def across(typingctx, v, p, h):
-            _check_lanes(v)
-
-            def codegen(context, builder, sig, args):
-                return _ir_transform(context, builder, sig.args[0], args[0],
-                                     _ir_index(context, builder, sig, args, 1),
-                                     _ir_index(context, builder, sig, args, 2), count, False)
-            return numba.types.void(v, p, h), codegen
-        across.__doc__ = (f"Stages h .. {count // 2}h across the {count} vectors at v[p], "
-                          f"v[p + h], ..., v[p + {count - 1}h] (h a multiple of _LANES).")
-        return across
-
-    _wht_across2, _wht_across4, _wht_across8 = (_make_across(2), _make_across(4),
-                                                 _make_across(8))
-
-    @numba.extending.intrinsic
-    def _signed_lanes(typingctx, src, s, dst, d, bits, scale):
-        """dst[d + k] = -w if bit k of ``bits`` is set else w, w = src[s + k] * scale, for
-        k = 0 .. 7 (_signed_block's signs; the negation flips the sign bit)."""
-        _check_lanes(src, dst)
-
-        def codegen(context, builder, sig, args):
-            arrty = sig.args[0]
-            ints = ir.VectorType(ir.IntType(arrty.dtype.bitwidth), _LANES)
-            byte = context.cast(builder, args[4], sig.args[4], numba.types.uint32)
-            set_ = builder.icmp_unsigned("!=", builder.and_(_ir_splat(builder, byte), _ir_ints(
-                [1 << k for k in range(_LANES)])), _ir_ints([0] * _LANES))
-            top = builder.select(set_, _ir_ints([1 << (arrty.dtype.bitwidth - 1)] * _LANES,
-                                                ints.element),
-                                 _ir_ints([0] * _LANES, ints.element))
-            align = arrty.dtype.bitwidth // 8
-            w = builder.load(_ir_vector(context, builder, arrty, args[0],
-                                        _ir_index(context, builder, sig, args, 1)), align=align)
-            scale = context.cast(builder, args[5], sig.args[5], arrty.dtype)
-            w = builder.fmul(w, _ir_splat(builder, scale))
-            w = builder.bitcast(builder.xor(builder.bitcast(w, ints), top), w.type)
-            builder.store(w, _ir_vector(context, builder, arrty, args[2],
-                                        _ir_index(context, builder, sig, args, 3)), align=align)
+            if signs is None:
+                src = dst = (sig.args[0], args[0], index(1))
+                h = index(2)
+            else:
+                src, dst = (sig.args[0], args[0], index(1)), (sig.args[2], args[2], index(3))
+                h, t = index(4), index(6)
+            align = sig.args[0].dtype.bitwidth // 8
+            vs = []
+            for k in range(count):
+                off = builder.mul(h, h.type(k))
+                v = builder.load(_ir_at(context, builder, src[0], src[1],
+                                        builder.add(src[2], off)), align=align)
+                if signs == "in":
+                    v = _ir_signed(context, builder, v, sig, args, builder.add(t, off))
+                vs.append(_ir_in_lanes(builder, v) if in_lanes else v)
+            for k, v in enumerate(_ir_across(builder, vs)):
+                off = builder.mul(h, h.type(k))
+                if signs == "out":
+                    v = _ir_signed(context, builder, v, sig, args, builder.add(t, off))
+                builder.store(v, _ir_at(context, builder, dst[0], dst[1],
+                                        builder.add(dst[2], off)), align=align)
             return context.get_dummy_value()
-        return numba.types.void(src, s, dst, d, bits, scale), codegen
+
+        def in_place(typingctx, v, p, h):
+            _check_lanes(v)
+            return numba.types.void(v, p, h), codegen
+
+        def signed(typingctx, src, s, dst, d, h, sign_bytes, t, scale):
+            _check_lanes(src, dst)
+            if not (isinstance(sign_bytes, numba.types.Array)
+                    and sign_bytes.dtype == numba.types.uint8):
+                raise numba.core.errors.TypingError(
+                    f"sign bytes are a uint8 array, not {sign_bytes}")
+            return numba.types.void(src, s, dst, d, h, sign_bytes, t, scale), codegen
+
+        butterflies = in_place if signs is None else signed
+        butterflies.__name__ = f"_butterflies_{count}{'_lanes' if in_lanes else ''}_{signs}"
+        return numba.extending.intrinsic(butterflies)
+
+    # in place: stages 1, 2, 4 of one vector; 1 .. 32 of 64 elements (8 vectors, h = 8);
+    # h .. 4h across 8 vectors, h .. 2h across 4, h across 2
+    _wht_lanes, _wht_64 = _make_butterflies(1, True, None), _make_butterflies(8, True, None)
+    _wht_across2, _wht_across4, _wht_across8 = (
+        _make_butterflies(c, False, None) for c in (2, 4, 8))
+    # the same, signed on the way in (the forward's first group) or out (the inverse's last)
+    _wht_lanes_in, _wht_64_in = (_make_butterflies(1, True, "in"),
+                                 _make_butterflies(8, True, "in"))
+    _wht_lanes_out, _wht_64_out = (_make_butterflies(1, True, "out"),
+                                   _make_butterflies(8, True, "out"))
+    _wht_across2_out, _wht_across4_out, _wht_across8_out = (
+        _make_butterflies(c, False, "out") for c in (2, 4, 8))
 
     def _items_absmax_bits(bits_view, item_lo, item_hi, magnitude_mask, out):
         # For non-negative IEEE floats, integer order is float order, and NaN/Inf have the
@@ -471,12 +476,13 @@ if numba is not None:
             for t in range(numba.uint64(item_count[i])):  # unsigned: see _codes_run
                 out[o + t] = numba.float64(codes[lane + t]) * scale
 
-    # The rotation (core, "Rotation").  A full block is signed into its destination, then
-    # transformed there in place while it sits in L1 (_wht); the inverse transforms in place,
-    # then scales by 1/B and signs on the way out.  Blocks of 8 elements and more go through
-    # the hand-vectorized intrinsics below (the loop vectorizer cannot prove a stage's two
-    # halves apart, and a stage with h < 8 pairs lanes of one vector); 2 and 4 through plain
-    # loops.
+    # The rotation (core, "Rotation").  Blocks of 8 elements and more go through the
+    # intrinsics above, in groups of vectors that stay in registers: the forward's first
+    # group reads the source, signs it and writes the destination, where the later groups
+    # run in place while the block sits in L1; the inverse runs in place on its source up
+    # to its last group, which scales, signs and writes the destination.  (numba's loop
+    # vectorizer cannot prove a stage's two halves apart, and stages h < 8 pair the lanes
+    # of one vector.)  Blocks of 2 and 4 take plain loops.
 
     @numba.njit(inline="always")
     def _seed_bases(g, n, key):
@@ -489,82 +495,123 @@ if numba is not None:
                 _U(_U(g) + _seed(key, high + numba.uint64(1))))
 
     @numba.njit
-    def _signed_block(src, s0, dst, d0, n, g, key, scale):
-        """dst[d0 + t] = d_t * (src[s0 + t] * scale) for the full block of n elements at
-        global index g (dst may be src at the same offset): d_t is -1 where bit t % 32 of
-        the hash of index g + t // 32 is set.  ``scale`` (1 forward, an exact 1/B in the
-        inverse) multiplies first, as defined."""
+    def _sign_bytes(out, n, g, key):
+        """The signs of the full block of n elements at global index g, one bit per element:
+        bit k of out[j] is set where element 8j + k takes -1 (bit t % 32 of the hash of
+        index g + t // 32).  Fills n / 8 bytes (one for n < 8)."""
         words = (n + numba.uint64(31)) >> numba.uint64(5)
         cut, base0, base1 = _seed_bases(g, words, key)
+        count = max(n >> numba.uint64(3), numba.uint64(1))
         for w in range(words):
             h = _mix32(_U(_U(w) + (base0 if w < cut else base1)))
-            t0 = w << numba.uint64(5)
-            if n & numba.uint64(_LANES - 1):  # 2 or 4 elements: one word, plain loop
-                for t in range(n):
-                    x = src[s0 + t] * scale
-                    dst[d0 + t] = -x if (h >> _U(t)) & _U(1) else x
-            else:
-                for t in range(t0, min(t0 + numba.uint64(32), n), _LANES):
-                    _signed_lanes(src, s0 + t, dst, d0 + t, h >> _U(t - t0), scale)
+            for k in range(min(numba.uint64(4), count - (w << numba.uint64(2)))):
+                out[(w << numba.uint64(2)) + k] = numba.uint8((h >> _U(8 * k)) & _U(255))
 
     @numba.njit
-    def _wht(v, lo, block):
-        """The butterflies of v[lo:lo + block] in place, stage h = 1, 2, 4, ... as defined:
-        h = 1, 2, 4 inside each vector, then up to three stages at once across 2, 4 or 8
-        vectors (_wht_across), every pair formed as the definition forms it."""
-        if block < _LANES:
-            h = numba.uint64(1)
-            while h < block:
-                for j0 in range(lo, lo + block, h + h):
-                    for j in range(j0, j0 + h):
-                        a, b = v[j], v[j + h]
-                        v[j] = a + b
-                        v[j + h] = a - b
-                h += h
-            return
-        if block >= numba.uint64(8 * _LANES):
-            for p in range(lo, lo + block, 8 * _LANES):
-                _wht_64(v, p)
-            h = numba.uint64(8 * _LANES)
+    def _small_block(src, s0, dst, d0, n, sb, scale, inverse):
+        # Blocks of 2 and 4: signs then butterflies (forward), or butterflies in place in
+        # src then scale and signs (inverse)
+        if not inverse:
+            for t in range(n):
+                w = src[s0 + t] * scale
+                dst[d0 + t] = -w if (sb[0] >> t) & 1 else w
+            v, lo = dst, d0
         else:
-            for p in range(lo, lo + block, _LANES):
-                _wht_lanes(v, p)
-            h = numba.uint64(_LANES)
-        while h < block:
-            span = h + h
+            v, lo = src, s0
+        h = numba.uint64(1)
+        while h < n:
+            for j0 in range(lo, lo + n, h + h):
+                for j in range(j0, j0 + h):
+                    a, b = v[j], v[j + h]
+                    v[j] = a + b
+                    v[j + h] = a - b
+            h += h
+        if inverse:
+            for t in range(n):
+                w = src[s0 + t] * scale
+                dst[d0 + t] = -w if (sb[0] >> t) & 1 else w
+
+    @numba.njit(inline="always")
+    def _span(h, block):
+        # The stages after h that the next group runs: up to three (8 vectors)
+        span = h + h
+        if span < block:
+            span += span
             if span < block:
                 span += span
-                if span < block:
-                    span += span  # three stages: 8 vectors
-            for g in range(lo, lo + block, span):
-                for j in range(g, g + h, _LANES):
+        return span
+
+    @numba.njit
+    def _forward(x, lo, out, block, g, key, one, sb):
+        """out[lo:lo + block] = H_B (d * x[lo:lo + block]) (out may be x); g: the global
+        index of x[lo]; one: 1 in x's dtype; sb: block / 8 bytes of scratch."""
+        _sign_bytes(sb, block, g, key)
+        if block < _LANES:
+            _small_block(x, lo, out, lo, block, sb, one, False)
+            return
+        first = numba.uint64(8 * _LANES if block >= 8 * _LANES else _LANES)
+        for t in range(0, block, first):
+            if first == _LANES:
+                _wht_lanes_in(x, lo + t, out, lo + t, _LANES, sb, t, one)
+            else:
+                _wht_64_in(x, lo + t, out, lo + t, _LANES, sb, t, one)
+        h = first
+        while h < block:
+            span = _span(h, block)
+            for g0 in range(lo, lo + block, span):
+                for j in range(g0, g0 + h, _LANES):
                     if span == h << numba.uint64(3):
-                        _wht_across8(v, j, h)
+                        _wht_across8(out, j, h)
                     elif span == h << numba.uint64(2):
-                        _wht_across4(v, j, h)
+                        _wht_across4(out, j, h)
                     else:
-                        _wht_across2(v, j, h)
+                        _wht_across2(out, j, h)
             h = span
 
     @numba.njit
-    def _forward(x, lo, out, block, g, key, one):
-        """out[lo:lo + block] = H_B (d * x[lo:lo + block]) (out may be x); g: the global
-        index of x[lo]; one: 1 in x's dtype."""
-        _signed_block(x, lo, out, lo, block, g, key, one)
-        _wht(out, lo, block)
-
-    @numba.njit
-    def _inverse(src, s0, out, lo, block, g, key, inv):
+    def _inverse(src, s0, out, lo, block, g, key, inv, sb):
         """out[lo:lo + block] = d * ((H_B src[s0:s0 + block]) * inv), transforming src in
-        place first (src may be out at the same offset, or scratch)."""
-        _wht(src, s0, block)
-        _signed_block(src, s0, out, lo, block, g, key, inv)
+        place up to the last group (src may be out at the same offset, or scratch)."""
+        _sign_bytes(sb, block, g, key)
+        if block < _LANES:
+            _small_block(src, s0, out, lo, block, sb, inv, True)
+            return
+        first = numba.uint64(8 * _LANES if block >= 8 * _LANES else _LANES)
+        for t in range(0, block, first):
+            if first == block:  # one group: the last
+                if first == _LANES:
+                    _wht_lanes_out(src, s0 + t, out, lo + t, _LANES, sb, t, inv)
+                else:
+                    _wht_64_out(src, s0 + t, out, lo + t, _LANES, sb, t, inv)
+            elif first == _LANES:
+                _wht_lanes(src, s0 + t, _LANES)
+            else:
+                _wht_64(src, s0 + t, _LANES)
+        h = first
+        while h < block:
+            span = _span(h, block)
+            for t0 in range(0, block, span):
+                for t in range(t0, t0 + h, _LANES):
+                    if span < block:
+                        if span == h << numba.uint64(3):
+                            _wht_across8(src, s0 + t, h)
+                        elif span == h << numba.uint64(2):
+                            _wht_across4(src, s0 + t, h)
+                        else:
+                            _wht_across2(src, s0 + t, h)
+                    elif span == h << numba.uint64(3):
+                        _wht_across8_out(src, s0 + t, out, lo + t, h, sb, t, inv)
+                    elif span == h << numba.uint64(2):
+                        _wht_across4_out(src, s0 + t, out, lo + t, h, sb, t, inv)
+                    else:
+                        _wht_across2_out(src, s0 + t, out, lo + t, h, sb, t, inv)
+            h = span
 
     @numba.njit(inline="always")
-    def _rotate_segment(x, out, lo, hi, block, key, start, one):
+    def _rotate_segment(x, out, lo, hi, block, key, start, one, sb):
         # A full block rotated into out; any other segment copied
         if hi - lo == block:
-            _forward(x, lo, out, block, start + lo, key, one)
+            _forward(x, lo, out, block, start + lo, key, one, sb)
         else:
             for i in range(lo, hi):
                 out[i] = x[i]
@@ -582,9 +629,10 @@ if numba is not None:
         per, items = _groups(bounds.size - 1, block)
         n = numba.uint64(block)
         for w in numba.prange(items):
+            sb = np.empty(max(block >> 3, 1), np.uint8)
             for s in range(w * per, min((w + 1) * per, bounds.size - 1)):
                 lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
-                _rotate_segment(x, out, lo, hi, n, key, numba.uint64(start), one)
+                _rotate_segment(x, out, lo, hi, n, key, numba.uint64(start), one, sb)
                 m = out_bits.dtype.type(0)
                 for i in range(lo, hi):
                     m = max(m, out_bits[i] & magnitude_mask)
@@ -595,9 +643,10 @@ if numba is not None:
         per, items = _groups(bounds.size - 1, block)
         n = numba.uint64(block)
         for w in numba.prange(items):
+            sb = np.empty(max(block >> 3, 1), np.uint8)
             for s in range(w * per, min((w + 1) * per, bounds.size - 1)):
                 lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
-                _rotate_segment(x, out, lo, hi, n, key, numba.uint64(start), one)
+                _rotate_segment(x, out, lo, hi, n, key, numba.uint64(start), one, sb)
                 acc = np.zeros(8)
                 for i in range(lo, hi):
                     v = numba.float64(out[i])
@@ -615,7 +664,7 @@ if numba is not None:
         per, items = _groups(seg_lo.size, block)
         n = numba.uint64(block)
         for w in numba.prange(items):
-            buf = np.empty(block, out.dtype)
+            buf, sb = np.empty(block, out.dtype), np.empty(max(block >> 3, 1), np.uint8)
             for s in range(w * per, min((w + 1) * per, seg_lo.size)):
                 lo, hi = numba.uint64(seg_lo[s]), numba.uint64(seg_hi[s])
                 full = hi - lo == n
@@ -631,16 +680,17 @@ if numba is not None:
                             out[o + t] = numba.float64(codes[lane + t]) * scale
                 if full:
                     _inverse(buf, numba.uint64(0), out, lo, n, numba.uint64(start) + lo, key,
-                             inv)
+                             inv, sb)
 
     def _unrotate(v, bounds, block, key, start, inv):
         per, items = _groups(bounds.size - 1, block)
         n = numba.uint64(block)
         for w in numba.prange(items):
+            sb = np.empty(max(block >> 3, 1), np.uint8)
             for s in range(w * per, min((w + 1) * per, bounds.size - 1)):
                 lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
                 if hi - lo == n:
-                    _inverse(v, lo, v, lo, n, numba.uint64(start) + lo, key, inv)
+                    _inverse(v, lo, v, lo, n, numba.uint64(start) + lo, key, inv, sb)
 
     def _twin(fn):
         """Compile ``fn`` twice: threaded for big inputs, serial for small ones (a threaded
