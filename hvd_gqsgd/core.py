@@ -246,19 +246,22 @@ def shard_plan(counts: Sequence[int], bits: int, parts: int) -> list[Chunk]:
     return plan + [empty] * (parts - len(plan))
 
 
-def segments(numels: Sequence[int], block: int) -> tuple[list[int], list[int]]:
+def segments(numels: Sequence[int], block: int) -> tuple[tuple[int, ...], list[int]]:
     """Scale segments of a bucket: one per tensor (``block == 0``), or each tensor cut into
     blocks of ``block`` elements (the last one shorter), each with its own global scale.
     Returns the segments' element counts and, per tensor, the index of its first segment
-    (plus a final entry: the total), so tensor ``i`` owns segments ``first[i]:first[i+1]``."""
+    (plus a final entry: the total), so tensor ``i`` owns segments ``first[i]:first[i+1]``.
+    The counts are a tuple: the fused kernels keep what they derive from an immutable one
+    (kernels._derived), where a list would be converted again at every call."""
     if block == 0:
-        return list(numels), list(range(len(numels) + 1))
-    counts, first = [], [0]
+        return tuple(numels), list(range(len(numels) + 1))
+    counts: list[int] = []
+    first = [0]
     for n in numels:
         full, rest = divmod(n, block)
         counts += [block] * full + ([rest] if rest else [])
         first.append(len(counts))
-    return counts, first
+    return tuple(counts), first
 
 
 def chunk_plan(counts: Sequence[int], bits: int, chunk_bytes: int) -> list[Chunk]:

@@ -17,7 +17,7 @@ Importing this module imports torch and ``torch.distributed``, never Horovod or 
 # No ``from __future__ import annotations``: DDP's register_comm_hook compares the hook's
 # annotations with ``dist.GradBucket`` and ``Future[Tensor]`` objects, not strings.
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,7 +199,7 @@ def global_qsgd_hook(state: GlobalQSGDState,
 
 
 def _into_buffer(state: GlobalQSGDState, buffer: torch.Tensor, flat: torch.Tensor,
-                 counts: list[int], rotation: tuple[int, int] | None) -> None:
+                 counts: Sequence[int], rotation: tuple[int, int] | None) -> None:
     """The decoded bucket, rotated back with ``rotation``, into DDP's buffer (from ``flat``,
     its fp32 copy for fp16/bf16 or a rotated copy on the torch-ops path)."""
     if rotation is not None:
@@ -209,7 +209,7 @@ def _into_buffer(state: GlobalQSGDState, buffer: torch.Tensor, flat: torch.Tenso
 
 
 def _finisher(state: GlobalQSGDState, buffer: torch.Tensor, flat: torch.Tensor,
-              counts: list[int], rotation: tuple[int, int] | None,
+              counts: Sequence[int], rotation: tuple[int, int] | None,
               launched: float) -> Callable[[torch.futures.Future], torch.Tensor]:
     """Once every chunk is decoded: the buffer (rotated back, copied from ``flat`` where it
     is not the buffer), and the step's figures.  An error in a chunk's decode surfaces here,
@@ -240,12 +240,12 @@ class _TwoStageBucket:
     steps: torch.Tensor  # s / L1 per segment
     shard: torch.futures.Future  # the reduce-scatter: this rank's summed words
     launched: float  # when the reduce-scatter was launched
-    counts: list[int]  # the bucket's scale segments
+    counts: Sequence[int]  # the bucket's scale segments
     rotation: tuple[int, int] | None  # Settings.rotation's (block, key), undone at the end
 
 
 def _two_stage_hook(state: GlobalQSGDState, bucket: dist.GradBucket, buffer: torch.Tensor,
-                    flat: torch.Tensor, numels: list[int], counts: list[int],
+                    flat: torch.Tensor, numels: list[int], counts: Sequence[int],
                     norms: torch.Tensor, size: int, local_s: tuple[float, float],
                     rotation: tuple[int, int] | None) -> torch.futures.Future[torch.Tensor]:
     """Two-stage Global-QSGD for one bucket (:mod:`hvd_gqsgd.two_stage`): quantize in wide

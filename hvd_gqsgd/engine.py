@@ -221,7 +221,7 @@ class Bucket:
     rank: int
     world_size: int
     n_levels: int
-    counts: list[int] = field(default_factory=list)  # elements per scale segment
+    counts: Sequence[int] = ()  # elements per scale segment
     steps: Any = None  # value of one summed code per segment (s / L), float64 on the device
     handles: list[Any] = field(default_factory=list)  # pending Sum allreduces, one per chunk
     decoded: Any = None  # Backend.decoder() state, once the Sum allreduce is waited for
@@ -256,7 +256,7 @@ _LAYOUTS = 64  # bucket layouts an engine remembers (Engine._layout)
 class _Layout:
     """What a bucket's tensor sizes and dtypes alone decide (Engine._layout)."""
 
-    counts: list[int]  # elements per scale segment (core.segments); read, never changed
+    counts: tuple[int, ...]  # elements per scale segment (core.segments)
     first: list[int]  # tensor i owns segments first[i]:first[i + 1]
     offsets: list[int]  # tensor i starts at element offsets[i]; the last entry: the total
     fingerprint: float  # core.layout_fingerprint, exchanged with the scales

@@ -913,8 +913,8 @@ class WireWatch:
             return 0.0
         return self._sent[-1] + self._round_trip_s - self._coding_s
 
-    def quantize_pack(self, x: np.ndarray, counts: np.ndarray, mult: np.ndarray, level: int,
-                      bits: int, key: int, words: np.ndarray) -> None:
+    def quantize_pack(self, x: np.ndarray, counts: Sequence[int] | np.ndarray, mult: np.ndarray,
+                      level: int, bits: int, key: int, words: np.ndarray) -> None:
         """:func:`quantize_pack` of a later chunk, behind the wire as described above."""
         _, pool = _overlap_pool()
         if pool is None:
@@ -958,10 +958,50 @@ def _flip(bits: int) -> np.uint64:
     return np.uint64(sum(1 << (bits * (k + 1) - 1) for k in range(64 // bits)))
 
 
-def _work_items(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _derived(counts: Sequence[int] | np.ndarray, name: str, make: Any) -> Any:
+    """``make(counts as int64)``: an array that a kernel derives from a bucket's segment
+    counts.  For a tuple, made once and kept (read-only) while the tuple is one of the last
+    ``_DERIVED_MAX`` used: a layout's counts (:func:`hvd_gqsgd.core.segments`) are the same
+    tuple at every step, and converting 65536 segments of a 64 MB bucket cost milliseconds
+    a call.  Keyed by identity, which the kept tuple keeps unique; a tuple never changes."""
+    if not isinstance(counts, tuple):
+        return make(np.asarray(counts, dtype=np.int64))
+    with _DERIVED_LOCK:
+        entry = _DERIVED.pop(id(counts), None)
+        if entry is None or entry[0] is not counts:
+            entry = (counts, {})
+        _DERIVED[id(counts)] = entry  # the most recent last
+        while len(_DERIVED) > _DERIVED_MAX:
+            del _DERIVED[next(iter(_DERIVED))]
+        cache = entry[1]
+        value = cache.get(name)
+        if value is None:
+            array = cache.get("array")
+            if array is None:
+                array = cache["array"] = np.array(counts, dtype=np.int64)
+                array.flags.writeable = False
+            value = cache[name] = make(array)
+            if isinstance(value, np.ndarray):
+                value.flags.writeable = False
+            else:
+                for v in value:
+                    v.flags.writeable = False
+        return value
+
+
+_DERIVED: dict[int, tuple[tuple[int, ...], dict[str, Any]]] = {}
+_DERIVED_LOCK = threading.Lock()
+_DERIVED_MAX = 16
+
+
+def _work_items(counts: Sequence[int] | np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Split a bucket into work items of at most BLOCK elements that never straddle two
     tensors: (tensor index, first element, end element) per item."""
-    counts = np.asarray(counts, dtype=np.int64)
+    return _derived(counts, "items", _make_work_items)
+
+
+def _make_work_items(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     pieces = -(-counts // BLOCK)
     seg = np.repeat(np.arange(len(counts)), pieces)
@@ -976,26 +1016,27 @@ def _segment_items(counts: Sequence[int], lo: int, hi: int
     """:func:`_work_items` of segments of ``counts`` elements, cut to the bucket elements
     ``lo .. hi``: each item's first element (counted from ``lo``), its element count, and
     its segment."""
-    seg, a, b = _work_items(np.asarray(counts, dtype=np.int64))
+    seg, a, b = _work_items(counts)
     a, b = np.clip(a, lo, hi), np.clip(b, lo, hi)
     keep = b > a
     return a[keep] - lo, (b - a)[keep], seg[keep]
 
 
-def segment_norms(x: np.ndarray, counts: np.ndarray, norm: str) -> np.ndarray:
+def segment_norms(x: np.ndarray, counts: Sequence[int] | np.ndarray, norm: str
+                  ) -> np.ndarray:
     """Per-tensor max |x| (``norm="max"``) or L2 norm of a flat bucket, float64; ``inf`` for
     a tensor holding any NaN/Inf (so it wins the MAX exchange on every rank)."""
     out = np.empty(len(counts), dtype=np.float64)
     if norm == "l2":
-        _run(_segment_l2, x.size, x, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-             out)
+        _run(_segment_l2, x.size, x, _bounds(counts), out)
         return out
     seg, lo, hi = _work_items(counts)
     uint = np.uint32 if x.dtype == np.float32 else np.uint64
     partial = np.empty(seg.size, dtype=uint)
     _run(_items_absmax_bits, x.size, x.view(uint), lo, hi, uint(np.iinfo(uint).max >> 1),
          partial)
-    first_item = np.concatenate([[0], np.cumsum(-(-np.asarray(counts) // BLOCK))[:-1]])
+    first_item = _derived(counts, "first_item", lambda c: np.concatenate(
+        [[0], np.cumsum(-(-c // BLOCK))[:-1]]))
     absmax = np.maximum.reduceat(partial, first_item).view(x.dtype).astype(np.float64)
     return np.where(np.isfinite(absmax), absmax, np.inf)
 
@@ -1063,13 +1104,11 @@ def window_segments(counts: Sequence[int] | np.ndarray, start: int, size: int, b
 
 def _bounds(counts: Sequence[int] | np.ndarray) -> np.ndarray:
     """Segment boundaries: 0, then the running total of ``counts`` (int64)."""
-    out = np.zeros(len(counts) + 1, dtype=np.int64)
-    np.cumsum(counts, out=out[1:])
-    return out
+    return _derived(counts, "bounds", lambda c: np.concatenate([[0], np.cumsum(c)]))
 
 
-def quantize_pack(x: np.ndarray, counts: np.ndarray, mult: np.ndarray, level: int, bits: int,
-                  key: int, words: np.ndarray) -> None:
+def quantize_pack(x: np.ndarray, counts: Sequence[int] | np.ndarray, mult: np.ndarray,
+                  level: int, bits: int, key: int, words: np.ndarray) -> None:
     """Quantize flat ``x`` (float32/64; tensor ``s`` is the next ``counts[s]`` elements,
     multiplier ``mult[s] = L / s``) and pack into ``words`` (int64, ``packed_words`` long).
 
@@ -1088,8 +1127,9 @@ class _QuantizeJob:
     packs once every piece is coded.  ``shared``: the int16 codes (when lanes are not whole
     bytes) go to a buffer of the job's own, not the calling thread's scratch."""
 
-    def __init__(self, x: np.ndarray, counts: np.ndarray, mult: np.ndarray, level: int,
-                 bits: int, key: int, words: np.ndarray, pieces: int, shared: bool) -> None:
+    def __init__(self, x: np.ndarray, counts: Sequence[int] | np.ndarray, mult: np.ndarray,
+                 level: int, bits: int, key: int, words: np.ndarray, pieces: int,
+                 shared: bool) -> None:
         seg, self.item_lo, self.item_hi = _work_items(counts)
         self.item_mult = np.asarray(mult).astype(x.dtype)[seg]
         self.x, self.bits, self.words = x, bits, words

@@ -268,7 +268,7 @@ class TensorFlowBackend:
                     norm: str, extra: Sequence[float]) -> Any:
         tail = np.asarray(extra, np.float64)
         if _fused(flat):
-            sizes = np.asarray(counts)
+            sizes = tuple(counts)  # kernels._derived keeps what it makes of a tuple
 
             def run(x: np.ndarray) -> np.ndarray:
                 return np.concatenate([kernels.segment_norms(x, sizes, norm), tail])
@@ -337,7 +337,7 @@ class TensorFlowBackend:
         numel = _static_numel(flat)
         size = core.packed_words(numel, bits)
         if _fused(flat):  # a longer buffer gets zero codes, hence zero words, at its end
-            sizes, size = np.asarray(counts), pad_to or size
+            sizes, size = tuple(counts), pad_to or size
 
             def run(x: np.ndarray, m: np.ndarray) -> np.ndarray:
                 words = kernels.host_array(size, np.int64)
@@ -419,7 +419,7 @@ class TensorFlowBackend:
         """``flat`` rotated (:func:`hvd_gqsgd.core.rotate`; the kernels on CPU) and the local
         norms of the result."""
         if _fused(flat):
-            sizes = list(counts)
+            sizes = tuple(counts)
 
             def run(x: np.ndarray) -> np.ndarray:
                 out = kernels.host_array(x.size, x.dtype)
@@ -495,7 +495,7 @@ class TensorFlowBackend:
 
     def part_max(self, sums: Any, counts: Sequence[int]) -> Any:
         if _fused(sums):
-            sizes = np.asarray(counts)
+            sizes = tuple(counts)  # kernels._derived keeps what it makes of a tuple
             return _host(lambda x: kernels.segment_norms(x, sizes, "max"), [sums], tf.float64,
                          [len(counts)])
         ids = tf.repeat(tf.range(len(counts)), list(counts))
@@ -626,7 +626,7 @@ class _Words:
         # Every chunk's op feeds this one as data (ops that only a control dependency waits
         # for are pruned); it hands the filled buffer on without copying it, rotated back in
         # place with ``rotation``.
-        sizes = list(counts)
+        sizes = tuple(counts)
 
         def filled(out: np.ndarray, *_: Any) -> np.ndarray:
             if rotation is not None:

@@ -98,7 +98,7 @@ class Transport:
 
     def _reset_transient(self) -> None:
         self._key_base: int | None = None
-        self._segments: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}
+        self._segments: dict[tuple[int, ...], tuple[tuple[int, ...], list[int]]] = {}
         self._lock = threading.Lock()  # guards _step: DDP decodes run on the backend's threads
         self._step = _Step()
         # local steps: kernels or torch ops, drawing their keys from this state (next)
@@ -155,7 +155,7 @@ class Transport:
         self._rotation_serial += 1
         return block, core.rotation_key(self.settings.seed, 0, self._rotation_serial)
 
-    def segments(self, numels: Sequence[int]) -> tuple[list[int], list[int]]:
+    def segments(self, numels: Sequence[int]) -> tuple[tuple[int, ...], list[int]]:
         """``core.segments`` of these tensor sizes at the settings' scale block, cached: a
         framework's buffers keep their layout from step to step."""
         key = tuple(numels)

@@ -277,7 +277,7 @@ class TorchLocal(TorchOps):
                     norm: str, extra: Sequence[float]) -> Any:
         tail = self._tail(extra, flat.device)
         if self._fused(flat):
-            vec = torch.from_numpy(kernels.segment_norms(flat.numpy(), np.asarray(counts), norm))
+            vec = torch.from_numpy(kernels.segment_norms(flat.numpy(), counts, norm))
             return torch.cat([vec, tail])
         table = self._tables.table(counts, flat.device)
         return torch.cat([generic.segment_norms(flat, counts, table, norm), tail])
@@ -343,7 +343,7 @@ class TorchLocal(TorchOps):
         size = core.packed_words(flat.numel(), bits)
         if self._fused(flat):  # a longer buffer gets zero codes, hence zero words, at its end
             words = host_empty(pad_to or size, np.int64) if out is None else out
-            kernels.quantize_pack(flat.numpy(), np.asarray(counts), mult.numpy(), n_levels, bits,
+            kernels.quantize_pack(flat.numpy(), counts, mult.numpy(), n_levels, bits,
                                   self._keys.next(rank), words.numpy())
             return words
         words = out if out is not None else torch.empty(pad_to or size, dtype=torch.int64,
@@ -522,8 +522,7 @@ class TorchLocal(TorchOps):
 
     def part_max(self, sums: Any, counts: Sequence[int]) -> Any:
         if self._fused(sums):
-            return torch.from_numpy(kernels.segment_norms(sums.numpy(), np.asarray(counts),
-                                                          "max"))
+            return torch.from_numpy(kernels.segment_norms(sums.numpy(), counts, "max"))
         return generic.part_max(sums, counts, self._tables.table(counts, sums.device))
 
     def message(self, codes: Any, part_max: Any, code_words: int, slots: int) -> Any:

@@ -553,3 +553,23 @@ def test_torch_ops_noise_is_the_kernels_noise(key, start):
         got = noise(TorchOps(), key, start, 1000, torch.empty(0, dtype=dtype))
         assert got.dtype == dtype
         np.testing.assert_array_equal(got.double().numpy(), want)
+
+
+def test_segment_arrays_are_kept_per_tuple_and_read_only():
+    # kernels._derived: what is derived from a tuple of counts is made once and shared,
+    # read-only; a list (which may change) is converted at every call
+    counts = tuple([5, 3, 7] * 4)
+    bounds = kernels._bounds(counts)
+    np.testing.assert_array_equal(bounds, np.concatenate([[0], np.cumsum(counts)]))
+    assert kernels._bounds(counts) is bounds and not bounds.flags.writeable
+    with pytest.raises(ValueError):
+        bounds[1] = 0
+    assert kernels._bounds(tuple(list(counts))) is not bounds  # another tuple: its own
+    as_list = list(counts)
+    assert kernels._bounds(as_list) is not kernels._bounds(as_list)
+    seg, lo, hi = kernels._work_items(counts)
+    assert kernels._work_items(counts)[1] is lo and not hi.flags.writeable
+    # only the last _DERIVED_MAX tuples are kept
+    for i in range(kernels._DERIVED_MAX):
+        kernels._bounds((i + 1,))
+    assert kernels._bounds(counts) is not bounds
