@@ -57,6 +57,7 @@ BLOCK = 1 << 14  # elements per work item: big enough to amortise, small enough 
 _LITTLE_ENDIAN = sys.byteorder == "little"  # a compile-time constant in the kernels
 PARALLEL_MIN = 1 << 18  # elements below which the serial twin of a kernel runs
 _LANES = 8  # elements per vector in the rotation's intrinsics
+_FLT_MIN, _FLT_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
 
 
 def available() -> bool:
@@ -405,21 +406,45 @@ if numba is not None:
         for j in numba.prange(words.size):
             words[j] = numba.int64((numba.uint64(words[j]) + offset) ^ flip)
 
+    def _narrow(codes, out):
+        """Whether ``out`` is float32 and every code converts to float32 exactly: int8 or
+        int16 codes, or float32 ones (the decodes keep those below 2**24 in magnitude)."""
+
+    @numba.extending.overload(_narrow)
+    def _narrow_typed(codes, out):
+        narrow = (out.dtype == numba.types.float32
+                  and codes.dtype in (numba.types.int8, numba.types.int16, numba.types.float32))
+        return lambda codes, out: narrow
+
+    @numba.njit(inline="always")
+    def _scale_run(codes, lane, out, o, count, scale):
+        """out[o + t] = codes[lane + t] * scale for t < count (count unsigned: see
+        _codes_run), the exact product rounded once into out's dtype: in float64, where a
+        code of at most 32 bits times a float32 scale is exact and a float32 out rounds on
+        the store.  With _narrow codes and a normal float32 scale the float32 multiply
+        rounds the same exact product once, so it gives the same bits, eight lanes to a
+        vector instead of four.  A subnormal (or non-finite) scale keeps float64, where
+        float32 arithmetic on subnormals (a deep net's vanishing gradients) would run
+        orders of magnitude slower."""
+        if _narrow(codes, out) and _FLT_MIN <= abs(scale) <= _FLT_MAX:
+            narrow = numba.float32(scale)
+            for t in range(count):
+                out[o + t] = numba.float32(codes[lane + t]) * narrow
+        else:
+            wide = numba.float64(scale)
+            for t in range(count):
+                out[o + t] = numba.float64(codes[lane + t]) * wide
+
     def _scale_lanes(lanes, start, out, scales, block):
         # out[t] = lanes[start + t] * scales[t // block], in work items of BLOCK elements
-        # and, inside them, runs that share one scale.  The product is formed in float64
-        # (exact for a 16-bit integer times a float32) and rounded once on the store, so a
-        # float32 result is the same as a float32 multiply; but a tiny float32 scale is no
-        # subnormal there, and subnormal float32 arithmetic (a deep net's vanishing
-        # gradients) runs orders of magnitude slower than normal arithmetic.
+        # and, inside them, runs that share one scale, each product as _scale_run forms it
         for w in numba.prange((out.size + BLOCK - 1) // BLOCK):
             lo, hi = w * BLOCK, min(out.size, (w + 1) * BLOCK)
             while lo < hi:
                 b = lo // block
                 end = min(hi, (b + 1) * block)
-                scale = numba.float64(scales[b])
-                for t in range(numba.uint64(lo), numba.uint64(end)):  # unsigned: see _codes_run
-                    out[t] = numba.float64(lanes[numba.uint64(start) + t]) * scale
+                _scale_run(lanes, numba.uint64(start) + numba.uint64(lo), out,
+                           numba.uint64(lo), numba.uint64(end - lo), scales[b])
                 lo = end
 
     def _unpack_fields(words, bits, offset, out):
@@ -468,13 +493,10 @@ if numba is not None:
     def _scale_items(codes, item_lane, item_out, item_count, item_scale, out):
         # Item i is item_count[i] consecutive codes with one scale, from codes[item_lane[i]]
         # to out[item_out[i]] (a bucket's segments: Summed.unpack_bucket, in place where
-        # codes is out; two-stage messages: Messages); the product is formed in float64 and
-        # rounded once on the store, as in _scale_lanes.
+        # codes is out; two-stage messages: Messages); each product as _scale_run forms it
         for i in numba.prange(item_lane.size):
-            lane, o = numba.uint64(item_lane[i]), numba.uint64(item_out[i])
-            scale = numba.float64(item_scale[i])
-            for t in range(numba.uint64(item_count[i])):  # unsigned: see _codes_run
-                out[o + t] = numba.float64(codes[lane + t]) * scale
+            _scale_run(codes, numba.uint64(item_lane[i]), out, numba.uint64(item_out[i]),
+                       numba.uint64(item_count[i]), item_scale[i])
 
     # The rotation (core, "Rotation").  Blocks of 8 elements and more go through the
     # intrinsics above, in groups of vectors that stay in registers: the forward's first
@@ -656,8 +678,8 @@ if numba is not None:
 
     def _scale_unrotate_items(codes, seg_lo, seg_hi, seg_i0, seg_i1, item_lane, item_out,
                               item_count, item_scale, out, block, key, start, inv):
-        # out = codes times their scale, as _scale_items forms it (a float64 product rounded
-        # once, on the store into out's dtype), and every full block then rotated back
+        # out = codes times their scale, as _scale_items forms it (_scale_run), and every
+        # full block then rotated back
         # before it is stored.  Segment s is out[seg_lo[s]:seg_hi[s]], filled by the items
         # seg_i0[s] .. seg_i1[s] (Summed: one per segment; Messages: its parts' items); a
         # full block's items go into scratch, then _inverse, any other segment's to out
@@ -670,14 +692,11 @@ if numba is not None:
                 full = hi - lo == n
                 for i in range(seg_i0[s], seg_i1[s]):
                     lane, o = numba.uint64(item_lane[i]), numba.uint64(item_out[i])
-                    scale = numba.float64(item_scale[i])
+                    count = numba.uint64(item_count[i])
                     if full:
-                        o = o - lo  # into buf
-                        for t in range(numba.uint64(item_count[i])):
-                            buf[o + t] = numba.float64(codes[lane + t]) * scale
+                        _scale_run(codes, lane, buf, o - lo, count, item_scale[i])
                     else:
-                        for t in range(numba.uint64(item_count[i])):
-                            out[o + t] = numba.float64(codes[lane + t]) * scale
+                        _scale_run(codes, lane, out, o, count, item_scale[i])
                 if full:
                     _inverse(buf, numba.uint64(0), out, lo, n, numba.uint64(start) + lo, key,
                              inv, sb)

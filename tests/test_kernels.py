@@ -119,6 +119,33 @@ def test_tiny_and_subnormal_tensors(bits):
     np.testing.assert_array_equal(out, codes[300:].astype(np.float32) * step)
 
 
+@pytest.mark.parametrize("bits", [8, 16, 4])
+def test_decode_products_are_the_float64_product_rounded_once(bits):
+    # kernels._scale_run multiplies in float32 where the code and a normal scale make that
+    # the same single rounding as the float64 product; at the edges of the float32 range,
+    # at 0, subnormal, inf and NaN scales, the bits must match the float64 formula.  8 and
+    # 16 bits decode int8/int16 lanes (_scale_lanes), 4 bits float32 lane sums
+    # (_scale_items, in place)
+    tiny, big = np.finfo(np.float32).tiny, np.finfo(np.float32).max
+    rng = np.random.default_rng(bits)
+    scales = np.concatenate([
+        2.0 ** rng.uniform(-126, 127, 40) * rng.choice([-1, 1], 40),
+        [tiny, -tiny, tiny * 1.5, big, big / 100, 0.0, -0.0, tiny / 4, np.inf, np.nan]])
+    scales = scales.astype(np.float32)
+    block = 64
+    level = core.levels(bits, 1)
+    codes = rng.integers(-level, level + 1, size=block * scales.size)
+    codes[:4] = [level, -level, 0, 1]
+    words = core.pack(OPS, codes, bits)
+    counts = [block] * scales.size
+    out = np.empty(codes.size, np.float32)
+    kernels.Summed(words.copy(), bits).unpack_bucket(out, counts, scales)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = (codes.astype(np.float64) * np.repeat(scales.astype(np.float64), block)
+                ).astype(np.float32)
+    np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+
+
 def test_nan_input_gives_code_zero_and_spares_neighbours():
     level, bits = 63, 8
     flat = np.ones(16, dtype=np.float32)
