@@ -563,6 +563,26 @@ if numba is not None:
                 span += span
         return span
 
+    @numba.njit(inline="always")
+    def _across(v, p, h, span):
+        # In place: the stages h .. span / 2 of the 2, 4 or 8 vectors at v[p], v[p + h], ...
+        if span == h << numba.uint64(3):
+            _wht_across8(v, p, h)
+        elif span == h << numba.uint64(2):
+            _wht_across4(v, p, h)
+        else:
+            _wht_across2(v, p, h)
+
+    @numba.njit(inline="always")
+    def _across_out(src, s, out, d, h, span, sb, t, scale):
+        # _across from src[s], ..., into out[d], ..., scaled and signed (block element t)
+        if span == h << numba.uint64(3):
+            _wht_across8_out(src, s, out, d, h, sb, t, scale)
+        elif span == h << numba.uint64(2):
+            _wht_across4_out(src, s, out, d, h, sb, t, scale)
+        else:
+            _wht_across2_out(src, s, out, d, h, sb, t, scale)
+
     @numba.njit
     def _forward(x, lo, out, block, g, key, one, sb):
         """out[lo:lo + block] = H_B (d * x[lo:lo + block]) (out may be x); g: the global
@@ -571,6 +591,7 @@ if numba is not None:
         if block < _LANES:
             _small_block(x, lo, out, lo, block, sb, one, False)
             return
+        # the first group: one vector (stages 1, 2, 4) or 64 elements (stages 1 .. 32)
         first = numba.uint64(8 * _LANES if block >= 8 * _LANES else _LANES)
         for t in range(0, block, first):
             if first == _LANES:
@@ -580,14 +601,9 @@ if numba is not None:
         h = first
         while h < block:
             span = _span(h, block)
-            for g0 in range(lo, lo + block, span):
-                for j in range(g0, g0 + h, _LANES):
-                    if span == h << numba.uint64(3):
-                        _wht_across8(out, j, h)
-                    elif span == h << numba.uint64(2):
-                        _wht_across4(out, j, h)
-                    else:
-                        _wht_across2(out, j, h)
+            for t0 in range(0, block, span):
+                for t in range(t0, t0 + h, _LANES):
+                    _across(out, lo + t, h, span)
             h = span
 
     @numba.njit
@@ -598,13 +614,12 @@ if numba is not None:
         if block < _LANES:
             _small_block(src, s0, out, lo, block, sb, inv, True)
             return
-        first = numba.uint64(8 * _LANES if block >= 8 * _LANES else _LANES)
+        first = numba.uint64(8 * _LANES if block >= 8 * _LANES else _LANES)  # as _forward's
         for t in range(0, block, first):
-            if first == block:  # one group: the last
-                if first == _LANES:
-                    _wht_lanes_out(src, s0 + t, out, lo + t, _LANES, sb, t, inv)
-                else:
-                    _wht_64_out(src, s0 + t, out, lo + t, _LANES, sb, t, inv)
+            if first == block and first == _LANES:  # one group, so the last
+                _wht_lanes_out(src, s0 + t, out, lo + t, _LANES, sb, t, inv)
+            elif first == block:
+                _wht_64_out(src, s0 + t, out, lo + t, _LANES, sb, t, inv)
             elif first == _LANES:
                 _wht_lanes(src, s0 + t, _LANES)
             else:
@@ -615,18 +630,9 @@ if numba is not None:
             for t0 in range(0, block, span):
                 for t in range(t0, t0 + h, _LANES):
                     if span < block:
-                        if span == h << numba.uint64(3):
-                            _wht_across8(src, s0 + t, h)
-                        elif span == h << numba.uint64(2):
-                            _wht_across4(src, s0 + t, h)
-                        else:
-                            _wht_across2(src, s0 + t, h)
-                    elif span == h << numba.uint64(3):
-                        _wht_across8_out(src, s0 + t, out, lo + t, h, sb, t, inv)
-                    elif span == h << numba.uint64(2):
-                        _wht_across4_out(src, s0 + t, out, lo + t, h, sb, t, inv)
+                        _across(src, s0 + t, h, span)
                     else:
-                        _wht_across2_out(src, s0 + t, out, lo + t, h, sb, t, inv)
+                        _across_out(src, s0 + t, out, lo + t, h, span, sb, t, inv)
             h = span
 
     @numba.njit(inline="always")
