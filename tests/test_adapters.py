@@ -88,7 +88,7 @@ def test_local_norms_per_block(backend, norm):
           for i, n in enumerate((23, 8))]
     xs[0][12] = np.nan
     counts, first = core.segments([x.size for x in xs], 5)
-    assert counts == [5, 5, 5, 5, 3, 5, 3] and first == [0, 5, 7]
+    assert counts == (5, 5, 5, 5, 3, 5, 3) and first == [0, 5, 7]
     flat = ops.flat_concat([make(x) for x in xs])
     got = to_np(ops.local_norms([make(x) for x in xs], flat, counts, norm, [1.0, -1.0]))
     cat, pos = np.concatenate(xs), np.cumsum([0, *counts])
