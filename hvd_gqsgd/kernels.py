@@ -1406,7 +1406,7 @@ class Messages:
         layout = self.layout
         lo, hi, s = window_segments(segment_counts(layout), start, out.size, block)
         # each segment's items: those of its parts, cut to the window's
-        part_of = _derived_array(layout, "first", layout.first)[s:s + lo.size + 1]
+        part_of = _layout_array(layout, "first", layout.first)[s:s + lo.size + 1]
         i0 = np.clip(first[part_of[:-1]], a, b) - a
         i1 = np.clip(first[part_of[1:]], a, b) - a
         _run(_scale_unrotate_items, out.size, self.codes, lo, hi, i0, i1, lane[a:b],
@@ -1421,12 +1421,12 @@ def segment_counts(layout: Any) -> np.ndarray:
     counts = layout.derived.get("segment_counts")
     if counts is None:
         edges = _bounds(layout.counts)
-        first = _derived_array(layout, "first", layout.first)
+        first = _layout_array(layout, "first", layout.first)
         counts = layout.derived["segment_counts"] = edges[first[1:]] - edges[first[:-1]]
     return counts
 
 
-def _derived_array(layout: Any, name: str, values: Sequence[int]) -> np.ndarray:
+def _layout_array(layout: Any, name: str, values: Sequence[int]) -> np.ndarray:
     """``values`` (a field of ``layout``, which never changes) as int64, made once per
     layout: converting a list of one entry per segment costs milliseconds each step."""
     key = ("kernels", name)
