@@ -194,14 +194,15 @@ if numba is not None:
 
     def _ir_signed(context, builder, v, sig, args, at):
         # v times the scale (args[7]), then the signs of the block's 8 elements from ``at``
-        # (an intp, a multiple of 8): bit k of byte at / 8 of the sign bytes (args[5]) flips
-        # lane k
+        # (an intp, a multiple of 8): bit (at % 32) + k of the sign words' (args[5]) word
+        # at / 32 flips lane k
         arrty = sig.args[0]
         scale = context.cast(builder, args[7], sig.args[7], arrty.dtype)
         v = builder.fmul(v, _ir_splat(builder, scale))
-        byte_at = builder.lshr(at, at.type(3))
-        byte = builder.load(_ir_at(context, builder, sig.args[5], args[5], byte_at, False))
-        bits = builder.and_(_ir_splat(builder, builder.zext(byte, _I32)),
+        word = builder.load(_ir_at(context, builder, sig.args[5], args[5],
+                                   builder.lshr(at, at.type(5)), False))
+        shift = builder.trunc(builder.and_(at, at.type(31)), _I32)
+        bits = builder.and_(_ir_splat(builder, builder.lshr(word, shift)),
                             _ir_ints([1 << k for k in range(_LANES)]))
         return _ir_flip(builder, v, builder.icmp_unsigned("!=", bits, _ir_ints([0] * _LANES)))
 
@@ -209,7 +210,7 @@ if numba is not None:
         """An intrinsic running, on ``count`` vectors h apart, the stages h = 1, 2, 4 inside
         each (with ``in_lanes``), then log2(count) stages across them (the vector k pairs
         with k + 1, then k + 2, ...).  ``signs=None``: ``(v, p, h)``, in place on v[p],
-        v[p + h], ...  ``"in"``/``"out"``: ``(src, s, dst, d, h, sign_bytes, t, scale)``:
+        v[p + h], ...  ``"in"``/``"out"``: ``(src, s, dst, d, h, sign_words, t, scale)``:
         from src[s + kh] to dst[d + kh], each vector times ``scale`` and signed (as
         _ir_signed, for block element t + kh) before the stages (``"in"``) or after them
         (``"out"``)."""
@@ -244,13 +245,13 @@ if numba is not None:
             _check_lanes(v)
             return numba.types.void(v, p, h), codegen
 
-        def signed(typingctx, src, s, dst, d, h, sign_bytes, t, scale):
+        def signed(typingctx, src, s, dst, d, h, sign_words, t, scale):
             _check_lanes(src, dst)
-            if not (isinstance(sign_bytes, numba.types.Array)
-                    and sign_bytes.dtype == numba.types.uint8):
+            if not (isinstance(sign_words, numba.types.Array)
+                    and sign_words.dtype == numba.types.uint32):
                 raise numba.core.errors.TypingError(
-                    f"sign bytes are a uint8 array, not {sign_bytes}")
-            return numba.types.void(src, s, dst, d, h, sign_bytes, t, scale), codegen
+                    f"sign words are a uint32 array, not {sign_words}")
+            return numba.types.void(src, s, dst, d, h, sign_words, t, scale), codegen
 
         butterflies = in_place if signs is None else signed
         butterflies.__name__ = f"_butterflies_{count}{'_lanes' if in_lanes else ''}_{signs}"
@@ -506,28 +507,28 @@ if numba is not None:
     # vectorizer cannot prove a stage's two halves apart, and stages h < 8 pair the lanes
     # of one vector.)  Blocks of 2 and 4 take plain loops.
 
-    @numba.njit(inline="always")
-    def _seed_bases(g, n, key):
-        """Hash indices g .. g + n: where the seed changes (the index crosses a multiple of
-        2**32; n is at most 2**11 here, so it crosses once at most) and, on either side, the
-        ``base`` that makes index g + w's hash _mix32(u32(w + base))."""
-        high = g >> numba.uint64(32)
-        cut = min(n, ((high + numba.uint64(1)) << numba.uint64(32)) - g)
-        return (cut, _U(_U(g) + _seed(key, high)),
-                _U(_U(g) + _seed(key, high + numba.uint64(1))))
-
     @numba.njit
-    def _sign_bytes(out, n, g, key):
+    def _sign_words(out, n, g, key):
         """The signs of the full block of n elements at global index g, one bit per element:
-        bit k of out[j] is set where element 8j + k takes -1 (bit t % 32 of the hash of
-        index g + t // 32).  Fills n / 8 bytes (one for n < 8)."""
+        out[w] is the hash of index g + w, whose bit t % 32 is set where element
+        t = 32 w + (t % 32) takes -1.  Fills ceil(n / 32) words (out: _sign_scratch(n)), in
+        a loop per seed that vectorizes.  The seed changes where the index crosses a
+        multiple of 2**32: once at most here, as n / 32 is at most 2**11."""
         words = (n + numba.uint64(31)) >> numba.uint64(5)
-        cut, base0, base1 = _seed_bases(g, words, key)
-        count = max(n >> numba.uint64(3), numba.uint64(1))
-        for w in range(words):
-            h = _mix32(_U(_U(w) + (base0 if w < cut else base1)))
-            for k in range(min(numba.uint64(4), count - (w << numba.uint64(2)))):
-                out[(w << numba.uint64(2)) + k] = numba.uint8((h >> _U(8 * k)) & _U(255))
+        high = g >> numba.uint64(32)
+        cut = min(words, ((high + numba.uint64(1)) << numba.uint64(32)) - g)
+        base = _U(_U(g) + _seed(key, high))  # index g + w hashes as _mix32(u32(w + base))
+        for w in range(cut):
+            out[w] = _mix32(_U(_U(w) + base))
+        if cut < words:
+            base = _U(_U(g) + _seed(key, high + numba.uint64(1)))
+            for w in range(cut, words):
+                out[w] = _mix32(_U(_U(w) + base))
+
+    @numba.njit(inline="always")
+    def _sign_scratch(block):
+        """The sign words of one block, for _sign_words."""
+        return np.empty(max(block >> 5, 1), np.uint32)
 
     @numba.njit
     def _small_block(src, s0, dst, d0, n, sb, scale, inverse):
@@ -586,8 +587,8 @@ if numba is not None:
     @numba.njit
     def _forward(x, lo, out, block, g, key, one, sb):
         """out[lo:lo + block] = H_B (d * x[lo:lo + block]) (out may be x); g: the global
-        index of x[lo]; one: 1 in x's dtype; sb: block / 8 bytes of scratch."""
-        _sign_bytes(sb, block, g, key)
+        index of x[lo]; one: 1 in x's dtype; sb: _sign_scratch(block)."""
+        _sign_words(sb, block, g, key)
         if block < _LANES:
             _small_block(x, lo, out, lo, block, sb, one, False)
             return
@@ -610,7 +611,7 @@ if numba is not None:
     def _inverse(src, s0, out, lo, block, g, key, inv, sb):
         """out[lo:lo + block] = d * ((H_B src[s0:s0 + block]) * inv), transforming src in
         place up to the last group (src may be out at the same offset, or scratch)."""
-        _sign_bytes(sb, block, g, key)
+        _sign_words(sb, block, g, key)
         if block < _LANES:
             _small_block(src, s0, out, lo, block, sb, inv, True)
             return
@@ -657,7 +658,7 @@ if numba is not None:
         per, items = _groups(bounds.size - 1, block)
         n = numba.uint64(block)
         for w in numba.prange(items):
-            sb = np.empty(max(block >> 3, 1), np.uint8)
+            sb = _sign_scratch(block)
             for s in range(w * per, min((w + 1) * per, bounds.size - 1)):
                 lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
                 _rotate_segment(x, out, lo, hi, n, key, numba.uint64(start), one, sb)
@@ -671,7 +672,7 @@ if numba is not None:
         per, items = _groups(bounds.size - 1, block)
         n = numba.uint64(block)
         for w in numba.prange(items):
-            sb = np.empty(max(block >> 3, 1), np.uint8)
+            sb = _sign_scratch(block)
             for s in range(w * per, min((w + 1) * per, bounds.size - 1)):
                 lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
                 _rotate_segment(x, out, lo, hi, n, key, numba.uint64(start), one, sb)
@@ -692,7 +693,7 @@ if numba is not None:
         per, items = _groups(seg_lo.size, block)
         n = numba.uint64(block)
         for w in numba.prange(items):
-            buf, sb = np.empty(block, out.dtype), np.empty(max(block >> 3, 1), np.uint8)
+            buf, sb = np.empty(block, out.dtype), _sign_scratch(block)
             for s in range(w * per, min((w + 1) * per, seg_lo.size)):
                 lo, hi = numba.uint64(seg_lo[s]), numba.uint64(seg_hi[s])
                 full = hi - lo == n
@@ -711,7 +712,7 @@ if numba is not None:
         per, items = _groups(bounds.size - 1, block)
         n = numba.uint64(block)
         for w in numba.prange(items):
-            sb = np.empty(max(block >> 3, 1), np.uint8)
+            sb = _sign_scratch(block)
             for s in range(w * per, min((w + 1) * per, bounds.size - 1)):
                 lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
                 if hi - lo == n:

@@ -80,7 +80,9 @@ def test_kernels_match_oracle(dtype, block, norm):
     numels = [3 * block + 5, block, 1, 2 * block - 1, block // 2]
     x, counts = _bucket(numels, block, dtype, seed=block)
     before = x.copy()
-    for start in (0, 7, 2**32 - block // 2 - 1):  # the last crosses 2**32 inside a block
+    # the block at `start` crosses element 2**32 in the third, and its hash indices (one
+    # per 32 elements: the seed changes at 2**32) cross it in the fourth from 64 up
+    for start in (0, 7, 2**32 - block // 2 - 1, 2**32 - block // 64):
         expected = oracle.forward(x, counts, block, KEY, start)
         out = np.empty_like(x)
         norms = kernels.rotate_norms(x, counts, block, KEY, norm, out, start)
