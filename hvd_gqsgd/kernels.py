@@ -103,6 +103,7 @@ def _mix32_np(z: np.ndarray) -> np.ndarray:
 
 
 if numba is not None:
+    import numba.core.cgutils
     import numba.core.errors
     import numba.extending
     from llvmlite import ir
@@ -170,14 +171,19 @@ if numba is not None:
     def _ir_in_lanes(builder, v):
         # Stages h = 1, 2, 4 inside one vector: lane j pairs with j + h where bit h of j is
         # clear.  With u the lanes swapped in pairs (u_j = v_(j xor h)), the pair's sum is
-        # v_j + u_j in lane j and its difference u_j - v_j = u_j + (-v_j) in lane j + h:
-        # one swap, one sign flip of the upper lanes and one add per stage
+        # v_j + u_j in lane j and its difference u_j - v_j in lane j + h: u + c * v with
+        # c_j = -1 in the upper lanes, one swap and one multiply-add per stage.  c * v is
+        # exact, so fused or not (llvm.fmuladd leaves that to the target) it rounds once,
+        # as u_j + v_j and u_j - v_j do.
+        vec = v.type
+        width = 32 if isinstance(vec.element, ir.FloatType) else 64
+        fmuladd = numba.core.cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vec, [vec] * 3), f"llvm.fmuladd.v{_LANES}f{width}")
         h = 1
         while h < _LANES:
             u = builder.shuffle_vector(v, v, _ir_ints([j ^ h for j in range(_LANES)]))
-            upper = ir.Constant(ir.VectorType(ir.IntType(1), _LANES),
-                                [bool(j & h) for j in range(_LANES)])
-            v = builder.fadd(u, _ir_flip(builder, v, upper))
+            c = ir.Constant(vec, [-1.0 if j & h else 1.0 for j in range(_LANES)])
+            v = builder.call(fmuladd, [v, c, u])
             h += h
         return v
 
@@ -193,12 +199,12 @@ if numba is not None:
         return vs
 
     def _ir_signed(context, builder, v, sig, args, at):
-        # v times the scale (args[7]), then the signs of the block's 8 elements from ``at``
-        # (an intp, a multiple of 8): bit (at % 32) + k of the sign words' (args[5]) word
-        # at / 32 flips lane k
-        arrty = sig.args[0]
-        scale = context.cast(builder, args[7], sig.args[7], arrty.dtype)
-        v = builder.fmul(v, _ir_splat(builder, scale))
+        # v times the scale (args[7], where given), then the signs of the block's 8 elements
+        # from ``at`` (an intp, a multiple of 8): bit (at % 32) + k of the sign words'
+        # (args[5]) word at / 32 flips lane k
+        if len(args) > 7:
+            scale = context.cast(builder, args[7], sig.args[7], sig.args[0].dtype)
+            v = builder.fmul(v, _ir_splat(builder, scale))
         word = builder.load(_ir_at(context, builder, sig.args[5], args[5],
                                    builder.lshr(at, at.type(5)), False))
         shift = builder.trunc(builder.and_(at, at.type(31)), _I32)
@@ -210,10 +216,10 @@ if numba is not None:
         """An intrinsic running, on ``count`` vectors h apart, the stages h = 1, 2, 4 inside
         each (with ``in_lanes``), then log2(count) stages across them (the vector k pairs
         with k + 1, then k + 2, ...).  ``signs=None``: ``(v, p, h)``, in place on v[p],
-        v[p + h], ...  ``"in"``/``"out"``: ``(src, s, dst, d, h, sign_words, t, scale)``:
-        from src[s + kh] to dst[d + kh], each vector times ``scale`` and signed (as
-        _ir_signed, for block element t + kh) before the stages (``"in"``) or after them
-        (``"out"``)."""
+        v[p + h], ...  ``"in"``: ``(src, s, dst, d, h, sign_words, t)``, from src[s + kh]
+        to dst[d + kh], each vector signed (as _ir_signed, for block element t + kh) before
+        the stages; ``"out"``: ``(..., t, scale)``, each vector times ``scale`` and signed
+        after them."""
         def codegen(context, builder, sig, args):
             def index(i):
                 return context.cast(builder, args[i], sig.args[i], numba.types.intp)
@@ -245,15 +251,22 @@ if numba is not None:
             _check_lanes(v)
             return numba.types.void(v, p, h), codegen
 
-        def signed(typingctx, src, s, dst, d, h, sign_words, t, scale):
+        def check_signed(src, dst, sign_words):
             _check_lanes(src, dst)
             if not (isinstance(sign_words, numba.types.Array)
                     and sign_words.dtype == numba.types.uint32):
                 raise numba.core.errors.TypingError(
                     f"sign words are a uint32 array, not {sign_words}")
+
+        def signed_in(typingctx, src, s, dst, d, h, sign_words, t):
+            check_signed(src, dst, sign_words)
+            return numba.types.void(src, s, dst, d, h, sign_words, t), codegen
+
+        def signed_out(typingctx, src, s, dst, d, h, sign_words, t, scale):
+            check_signed(src, dst, sign_words)
             return numba.types.void(src, s, dst, d, h, sign_words, t, scale), codegen
 
-        butterflies = in_place if signs is None else signed
+        butterflies = {None: in_place, "in": signed_in, "out": signed_out}[signs]
         butterflies.__name__ = f"_butterflies_{count}{'_lanes' if in_lanes else ''}_{signs}"
         return numba.extending.intrinsic(butterflies)
 
@@ -531,12 +544,12 @@ if numba is not None:
         return np.empty(max(block >> 5, 1), np.uint32)
 
     @numba.njit
-    def _small_block(src, s0, dst, d0, n, sb, scale, inverse):
-        # Blocks of 2 and 4: signs then butterflies (forward), or butterflies in place in
-        # src then scale and signs (inverse)
-        if not inverse:
+    def _small_block(src, s0, dst, d0, n, sb, scale):
+        # Blocks of 2 and 4.  The forward (scale None): signs then butterflies; the inverse:
+        # butterflies in place in src, then scale and signs
+        if scale is None:
             for t in range(n):
-                w = src[s0 + t] * scale
+                w = src[s0 + t]
                 dst[d0 + t] = -w if (sb[0] >> t) & 1 else w
             v, lo = dst, d0
         else:
@@ -549,7 +562,7 @@ if numba is not None:
                     v[j] = a + b
                     v[j + h] = a - b
             h += h
-        if inverse:
+        if scale is not None:
             for t in range(n):
                 w = src[s0 + t] * scale
                 dst[d0 + t] = -w if (sb[0] >> t) & 1 else w
@@ -585,20 +598,20 @@ if numba is not None:
             _wht_across2_out(src, s, out, d, h, sb, t, scale)
 
     @numba.njit
-    def _forward(x, lo, out, block, g, key, one, sb):
+    def _forward(x, lo, out, block, g, key, sb):
         """out[lo:lo + block] = H_B (d * x[lo:lo + block]) (out may be x); g: the global
-        index of x[lo]; one: 1 in x's dtype; sb: _sign_scratch(block)."""
+        index of x[lo]; sb: _sign_scratch(block)."""
         _sign_words(sb, block, g, key)
         if block < _LANES:
-            _small_block(x, lo, out, lo, block, sb, one, False)
+            _small_block(x, lo, out, lo, block, sb, None)
             return
         # the first group: one vector (stages 1, 2, 4) or 64 elements (stages 1 .. 32)
         first = numba.uint64(8 * _LANES if block >= 8 * _LANES else _LANES)
         for t in range(0, block, first):
             if first == _LANES:
-                _wht_lanes_in(x, lo + t, out, lo + t, _LANES, sb, t, one)
+                _wht_lanes_in(x, lo + t, out, lo + t, _LANES, sb, t)
             else:
-                _wht_64_in(x, lo + t, out, lo + t, _LANES, sb, t, one)
+                _wht_64_in(x, lo + t, out, lo + t, _LANES, sb, t)
         h = first
         while h < block:
             span = _span(h, block)
@@ -613,7 +626,7 @@ if numba is not None:
         place up to the last group (src may be out at the same offset, or scratch)."""
         _sign_words(sb, block, g, key)
         if block < _LANES:
-            _small_block(src, s0, out, lo, block, sb, inv, True)
+            _small_block(src, s0, out, lo, block, sb, inv)
             return
         first = numba.uint64(8 * _LANES if block >= 8 * _LANES else _LANES)  # as _forward's
         for t in range(0, block, first):
@@ -637,10 +650,10 @@ if numba is not None:
             h = span
 
     @numba.njit(inline="always")
-    def _rotate_segment(x, out, lo, hi, block, key, start, one, sb):
+    def _rotate_segment(x, out, lo, hi, block, key, start, sb):
         # A full block rotated into out; any other segment copied
         if hi - lo == block:
-            _forward(x, lo, out, block, start + lo, key, one, sb)
+            _forward(x, lo, out, block, start + lo, key, sb)
         else:
             for i in range(lo, hi):
                 out[i] = x[i]
@@ -651,7 +664,7 @@ if numba is not None:
         per = max(1, BLOCK // block)
         return per, (segments + per - 1) // per
 
-    def _rotate_absmax(x, out, out_bits, bounds, block, key, start, one, magnitude_mask,
+    def _rotate_absmax(x, out, out_bits, bounds, block, key, start, magnitude_mask,
                        partial):
         # Every segment rotated (or copied) into out, then its max |.| as _items_absmax_bits
         # takes it, from the bits of out just written (still in cache)
@@ -661,13 +674,13 @@ if numba is not None:
             sb = _sign_scratch(block)
             for s in range(w * per, min((w + 1) * per, bounds.size - 1)):
                 lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
-                _rotate_segment(x, out, lo, hi, n, key, numba.uint64(start), one, sb)
+                _rotate_segment(x, out, lo, hi, n, key, numba.uint64(start), sb)
                 m = out_bits.dtype.type(0)
                 for i in range(lo, hi):
                     m = max(m, out_bits[i] & magnitude_mask)
                 partial[s] = m
 
-    def _rotate_l2(x, out, bounds, block, key, start, one, norms):
+    def _rotate_l2(x, out, bounds, block, key, start, norms):
         # As _rotate_absmax, with the L2 norm summed exactly as _segment_l2 sums it
         per, items = _groups(bounds.size - 1, block)
         n = numba.uint64(block)
@@ -675,7 +688,7 @@ if numba is not None:
             sb = _sign_scratch(block)
             for s in range(w * per, min((w + 1) * per, bounds.size - 1)):
                 lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
-                _rotate_segment(x, out, lo, hi, n, key, numba.uint64(start), one, sb)
+                _rotate_segment(x, out, lo, hi, n, key, numba.uint64(start), sb)
                 acc = np.zeros(8)
                 for i in range(lo, hi):
                     v = numba.float64(out[i])
@@ -1083,14 +1096,12 @@ def rotate_norms(x: np.ndarray, counts: Sequence[int], block: int, key: int, nor
     bounds = _bounds(counts)
     if norm == "l2":
         norms = np.empty(bounds.size - 1, dtype=np.float64)
-        _run(_rotate_l2, x.size, x, out, bounds, block, np.uint64(key), start, x.dtype.type(1),
-             norms)
+        _run(_rotate_l2, x.size, x, out, bounds, block, np.uint64(key), start, norms)
         return norms
     uint = np.uint32 if x.dtype == np.float32 else np.uint64
     partial = np.empty(bounds.size - 1, dtype=uint)
-    # (the 1 comes from here: x.dtype.type(1) inside a kernel is a float64)
     _run(_rotate_absmax, x.size, x, out, out.view(uint), bounds, block, np.uint64(key), start,
-         x.dtype.type(1), uint(np.iinfo(uint).max >> 1), partial)
+         uint(np.iinfo(uint).max >> 1), partial)
     absmax = partial.view(x.dtype).astype(np.float64)
     return np.where(np.isfinite(absmax), absmax, np.inf)
 
