@@ -283,14 +283,25 @@ if numba is not None:
     _wht_across2_out, _wht_across4_out, _wht_across8_out = (
         _make_butterflies(c, False, "out") for c in (2, 4, 8))
 
+    @numba.njit(inline="always")
+    def _magnitude_max(bits, lo, hi, magnitude_mask):
+        """The largest of bits[lo:hi] & magnitude_mask (lo, hi unsigned: see _codes_run).
+        For non-negative IEEE floats, integer order is float order, and NaN/Inf have the
+        largest patterns: an integer max (which vectorizes) gives max|x| and flags
+        non-finite.  Each masked word is cast back to its own width: numba widens the & of
+        two uint32 to 64 bits, which vectorizes four lanes to an AVX2 vector with a compare
+        and a blend, where 32-bit lanes take eight with one vpmaxud."""
+        word = bits.dtype.type
+        m = word(0)
+        for i in range(lo, hi):
+            m = max(m, word(bits[i] & magnitude_mask))
+        return m
+
     def _items_absmax_bits(bits_view, item_lo, item_hi, magnitude_mask, out):
-        # For non-negative IEEE floats, integer order is float order, and NaN/Inf have the
-        # largest patterns: an integer max (which vectorizes) gives max|x| and flags non-finite.
+        # max |x| of each work item, as _magnitude_max takes it
         for w in numba.prange(item_lo.size):
-            m = bits_view.dtype.type(0)
-            for i in range(numba.uint64(item_lo[w]), numba.uint64(item_hi[w])):  # see _codes_run
-                m = max(m, bits_view[i] & magnitude_mask)
-            out[w] = m
+            out[w] = _magnitude_max(bits_view, numba.uint64(item_lo[w]),
+                                    numba.uint64(item_hi[w]), magnitude_mask)
 
     def _segment_l2(x, seg_start, out):
         for s in numba.prange(seg_start.size - 1):
@@ -675,10 +686,7 @@ if numba is not None:
             for s in range(w * per, min((w + 1) * per, bounds.size - 1)):
                 lo, hi = numba.uint64(bounds[s]), numba.uint64(bounds[s + 1])
                 _rotate_segment(x, out, lo, hi, n, key, numba.uint64(start), sb)
-                m = out_bits.dtype.type(0)
-                for i in range(lo, hi):
-                    m = max(m, out_bits[i] & magnitude_mask)
-                partial[s] = m
+                partial[s] = _magnitude_max(out_bits, lo, hi, magnitude_mask)
 
     def _rotate_l2(x, out, bounds, block, key, start, norms):
         # As _rotate_absmax, with the L2 norm summed exactly as _segment_l2 sums it
