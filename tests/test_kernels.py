@@ -159,10 +159,12 @@ def test_nan_input_gives_code_zero_and_spares_neighbours():
 
 
 @pytest.mark.parametrize("norm", ["max", "l2"])
-def test_segment_norms(norm):
-    xs, flat = _bucket(np.float32)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_segment_norms(norm, dtype):
+    xs, flat = _bucket(dtype, sizes=(5, 130, 1, 4097, 70_000))
     xs[1][3] = np.nan
     xs[3][-1] = -np.inf
+    xs[4][12_345] = -1e30  # the largest magnitude, negative: its sign bit set
     flat = np.concatenate(xs)
     got = kernels.segment_norms(flat, np.array([x.size for x in xs]), norm)
     for g, x in zip(got, xs):
