@@ -534,9 +534,9 @@ if numba is not None:
     @numba.njit
     def _sign_words(out, n, g, key):
         """The signs of the full block of n elements at global index g, one bit per element:
-        out[w] is the hash of index g + w, whose bit t % 32 is set where element
-        t = 32 w + (t % 32) takes -1.  Fills ceil(n / 32) words (out: _sign_scratch(n)), in
-        a loop per seed that vectorizes.  The seed changes where the index crosses a
+        out[w] is the hash of index g + w, and element t of the block takes -1 where bit
+        t % 32 of out[t // 32] is set.  Fills ceil(n / 32) words (out: _sign_scratch(n)),
+        in a loop per seed that vectorizes.  The seed changes where the index crosses a
         multiple of 2**32: once at most here, as n / 32 is at most 2**11."""
         words = (n + numba.uint64(31)) >> numba.uint64(5)
         high = g >> numba.uint64(32)
