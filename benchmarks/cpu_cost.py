@@ -15,7 +15,7 @@ within 1.3x of PyTorch.  ``both`` compares the two in milliseconds and in NumPy 
 
 ``--rotation`` times, instead, the fused kernels' own round trip of the bucket (norms,
 quantize_pack, decode, as the engine runs them on one rank, without Horovod) three times:
-as is, with the Hadamard rotation at the bits' default scale blocks (256 elements at 4 bits,
+as is, with the Hadamard rotation at the bits' default scale blocks (64 elements at 4 bits,
 1024 at 8: ``core.default_scale_block``; ``kernels.rotate_norms`` in place of
 ``segment_norms``, ``kernels.unrotate`` after decoding), and with the inverse fused into
 the decode (``Summed.unpack_bucket(..., rotation=)``), in this thread's CPU time against
@@ -247,7 +247,7 @@ def rotation_section(mb: int, repeats: int) -> list[str]:
                         f"+1.5: {'met' if extra <= 1.5 else 'not met'} |")
     return [f"`python benchmarks/cpu_cost.py --rotation --doc` ({time.strftime('%Y-%m-%d')}): "
             f"the kernels' round trip of a {mb} MB fp32 bucket on one thread, without and with "
-            "the rotation (the bits' default scale blocks: 256 elements at 4 bits, 1024 at "
+            "the rotation (the bits' default scale blocks: 64 elements at 4 bits, 1024 at "
             "8), in this thread's CPU time and in `torch.add` "
             f"passes over the same bucket ({1e3 * t['add']:.1f} ms), median of {repeats}; "
             "flat is norms, quantize, pack and decode of one rank's words; two-stage is one "

@@ -146,7 +146,7 @@ class GlobalQSGD:
             1024).  Finer scales waste fewer levels where gradients are small: 1024 follows
             the gradient's magnitude more closely than one scale per tensor, with a lower
             quantization error and training loss (docs/LOW_BITS.md, docs/CONVERGENCE.md).
-            ``None`` (default): 1024, and 256 at 4 bits and fewer, where the coarse grid
+            ``None`` (default): 1024, and 64 at 4 bits and fewer, where the coarse grid
             needs the finer scales (``core.default_scale_block``).  0: one scale per tensor.
             A NaN/Inf poisons only its own block.
         hierarchical: sum in full precision inside each node (Horovod's ``local_rank`` /

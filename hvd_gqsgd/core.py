@@ -169,9 +169,10 @@ AUTO_CHUNK_BYTES = 1 << 21
 AUTO_BUCKET_BYTES = 8 << 20
 # Elements per global scale (Settings.scale_block) above AUTO_ROTATION_MAX_BITS bits, and at
 # that many bits and fewer, where the coarse grid needs smaller blocks to train within 2% of
-# fp32 (default_scale_block; docs/CONVERGENCE.md and LOW_BITS.md)
+# fp32 at 16 ranks (256 missed it on four seeds; default_scale_block; docs/CONVERGENCE.md
+# and LOW_BITS.md)
 DEFAULT_SCALE_BLOCK = 1024
-LOW_BITS_SCALE_BLOCK = 256
+LOW_BITS_SCALE_BLOCK = 64
 # Settings.rotation: the rotations there are, and the largest block one acts on
 ROTATIONS = ("hadamard",)
 MAX_ROTATION_BLOCK = 1 << 16
@@ -354,7 +355,7 @@ class Settings:
             needed; None = the adapter's choice, see ``AUTO_BUCKET_BYTES``).
         scale_block: give every ``scale_block`` elements of a tensor their own global scale
             (0 = one scale per tensor; None = by bits, :func:`default_scale_block`: 1024,
-            and 256 at ``AUTO_ROTATION_MAX_BITS`` bits and fewer).  Settings holds the
+            and 64 at ``AUTO_ROTATION_MAX_BITS`` bits and fewer).  Settings holds the
             resolved int.
         chunk_bytes: send a bucket's packed codes as Sum allreduces of about this many bytes
             each, so that quantizing one chunk overlaps sending the previous (0 = one
@@ -827,8 +828,8 @@ def _rotatable(block: int) -> bool:
 def default_scale_block(bits: int) -> int:
     """``Settings.scale_block`` when it is None: ``LOW_BITS_SCALE_BLOCK`` at
     ``AUTO_ROTATION_MAX_BITS`` bits and fewer, where the coarse grid trains nearer fp32 with
-    smaller blocks for a few percent more bytes, ``DEFAULT_SCALE_BLOCK`` above
-    (docs/LOW_BITS.md, "smaller blocks")."""
+    smaller blocks (their scales cost 8 bytes per block: 1 bit per element at 64),
+    ``DEFAULT_SCALE_BLOCK`` above (docs/LOW_BITS.md, "smaller blocks")."""
     return LOW_BITS_SCALE_BLOCK if bits <= AUTO_ROTATION_MAX_BITS else DEFAULT_SCALE_BLOCK
 
 

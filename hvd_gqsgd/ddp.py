@@ -57,7 +57,7 @@ class GlobalQSGDState(Transport):
             reproducible.  Either way ranks draw independent noise and torch's global RNG is
             neither read nor advanced.
         scale_block: elements per global scale inside each gradient tensor (0: one scale per
-            tensor; ``None``, the default: 1024, and 256 at 4 bits and fewer, as
+            tensor; ``None``, the default: 1024, and 64 at 4 bits and fewer, as
             :class:`hvd_gqsgd.GlobalQSGD`'s).  Each block costs 8 bytes of MAX all_reduce.
         chunk_bytes: packed bytes per SUM all_reduce.  A bucket's codes go in chunks of about
             this size, each launched as soon as it is packed and unpacked as soon as it

@@ -93,7 +93,7 @@ class FSDPState(Transport):
             reproducible.  Either way ranks draw independent noise and torch's global RNG
             is neither read nor advanced.
         scale_block: elements of a row per global scale (0: one scale per row; ``None``, the
-            default: 1024, and 256 at 4 bits and fewer, as :class:`hvd_gqsgd.GlobalQSGD`'s).
+            default: 1024, and 64 at 4 bits and fewer, as :class:`hvd_gqsgd.GlobalQSGD`'s).
         rotation: ``"hadamard"``, ``None`` or ``"auto"`` (default: on at 4 bits and fewer),
             as :class:`hvd_gqsgd.GlobalQSGD`'s: every full block of the input is rotated
             before its norms (in place: the input is FSDP's scratch buffer) and each rank

@@ -507,7 +507,7 @@ def test_settings_reject_an_unknown_rotation(rotation):
 
 
 @pytest.mark.parametrize("scale_block", [0, 1, 1000, 2 * core.MAX_ROTATION_BLOCK])
-@pytest.mark.parametrize("bits, default", [(8, 1024), (4, 256)])
+@pytest.mark.parametrize("bits, default", [(8, 1024), (4, 64)])
 def test_settings_need_a_power_of_two_block_for_hadamard(scale_block, bits, default):
     with pytest.raises(ValueError, match=rf"scale_block={scale_block}: use scale_block=None "
                                          rf"\(the default, {default} at bits={bits}\) with "
@@ -515,7 +515,7 @@ def test_settings_need_a_power_of_two_block_for_hadamard(scale_block, bits, defa
         core.Settings(bits=bits, rotation="hadamard", scale_block=scale_block)
 
 
-@pytest.mark.parametrize("bits, block", [(2, 256), (3, 256), (4, 256), (5, 1024), (8, 1024),
+@pytest.mark.parametrize("bits, block", [(2, 64), (3, 64), (4, 64), (5, 1024), (8, 1024),
                                          (16, 1024)])
 def test_scale_block_defaults_by_bits(bits, block):
     """None (every entry point's default) is resolved once, in Settings; an explicit block,
@@ -539,7 +539,7 @@ def test_rotation_block_auto_rule():
     assert core.Settings().rotation == "auto"
     assert [f.name for f in core.Settings.__dataclass_fields__.values()][-1] == "rotation"
     top = core.AUTO_ROTATION_MAX_BITS
-    assert core.rotation_block(core.Settings(bits=top)) == 256  # the block by bits
+    assert core.rotation_block(core.Settings(bits=top)) == 64  # the block by bits
     assert core.rotation_block(core.Settings(bits=top, scale_block=1024)) == 1024
     assert core.rotation_block(core.Settings(bits=2, scale_block=4)) == 4
     assert core.rotation_block(core.Settings(bits=top + 1)) == 0
