@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -41,8 +42,11 @@ fused CPU path the decoded gradients come from `kernels.host_array`'s pool, whic
 uncompressed round whose output is new memory, because the pool already holds it."""
 
 
-def launch(entry: str, sizes: list[int], kernels: bool, ranks: int = 2) -> list[dict]:
-    """One 2-rank job measuring both variants at every size; its rank-0 JSON lines."""
+def launch(entry: str, sizes: list[int], kernels: bool, ranks: int = 2,
+           timeout: float = 3600) -> list[dict]:
+    """One 2-rank job measuring both variants at every size; its rank-0 JSON lines.  A job
+    still running after ``timeout`` seconds is killed (its whole process group), and the
+    error carries what it printed until then."""
     bin_dir = Path(sys.executable).parent
     script = [sys.executable, str(WORKER), "--entry", entry, "--mb",
               ",".join(str(m) for m in sizes)]
@@ -54,15 +58,23 @@ def launch(entry: str, sizes: list[int], kernels: bool, ranks: int = 2) -> list[
                "29517", *script[1:]]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
            "HVD_GQSGD_KERNELS": "1" if kernels else "0"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-    rows = [json.loads(ln[ln.index("{"):]) for ln in proc.stdout.splitlines()
-            if "added_bytes" in ln]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise RuntimeError(f"{entry} ran past {timeout:.0f} s and was killed; its output:\n"
+                           f"{out[-3000:]}\n{err[-3000:]}") from None
+    rows = [json.loads(ln[ln.index("{"):]) for ln in out.splitlines() if "added_bytes" in ln]
     if proc.returncode != 0 or not rows:
-        raise RuntimeError(f"{entry} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{entry} failed:\n{out[-3000:]}\n{err[-3000:]}")
     return rows
 
 
-def measure(sizes: list[int], entries: list[str], paths: list[bool]) -> list[dict]:
+def measure(sizes: list[int], entries: list[str], paths: list[bool],
+            timeout: float = 3600) -> list[dict]:
     """Per (entry, path, size): the added bytes of both variants and their difference in
     gradient fp32 bytes; with two sizes, also the slope: what each further MB of gradient
     adds (what grows with the model, the per-chunk part cancelling out)."""
@@ -70,7 +82,7 @@ def measure(sizes: list[int], entries: list[str], paths: list[bool]) -> list[dic
     for entry in entries:
         for kernels in paths:
             got = {(r["variant"], r["mb"]): r["added_bytes"] for r in
-                   launch(entry, sizes, kernels)}
+                   launch(entry, sizes, kernels, timeout=timeout)}
             for mb in sizes:
                 extra = got[("gqsgd8", mb)] - got[("none", mb)]
                 row = {"entry": entry, "kernels": kernels, "mb": mb,

@@ -677,8 +677,8 @@ if numba is not None:
 
     def _rotate_absmax(x, out, out_bits, bounds, block, key, start, magnitude_mask,
                        partial):
-        # Every segment rotated (or copied) into out, then its max |.| as _items_absmax_bits
-        # takes it, from the bits of out just written (still in cache)
+        # Every segment rotated (or copied) into out, then its max |.| (_magnitude_max, as
+        # _items_absmax_bits takes it) from the bits of out just written (still in cache)
         per, items = _groups(bounds.size - 1, block)
         n = numba.uint64(block)
         for w in numba.prange(items):

@@ -21,10 +21,12 @@ import memory  # noqa: E402
 pytestmark = pytest.mark.multiproc
 
 SIZES = [4, 24]
+# below pytest's own timeout, so that a job that hangs fails with its output
+JOB_TIMEOUT_S = 600
 
 
 @pytest.mark.parametrize("entry", memory.ENTRIES)
 def test_a_round_adds_at_most_half_the_gradient_per_gradient_byte(entry):
-    rows = memory.measure(SIZES, [entry], [False])
+    rows = memory.measure(SIZES, [entry], [False], timeout=JOB_TIMEOUT_S)
     grows = memory.slope(rows, entry, False)
     assert grows <= memory.GOAL, (entry, grows, rows)
