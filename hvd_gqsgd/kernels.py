@@ -608,7 +608,7 @@ if numba is not None:
         else:
             _wht_across2_out(src, s, out, d, h, sb, t, scale)
 
-    @numba.njit
+    @numba.njit(inline="always")
     def _forward(x, lo, out, block, g, key, sb):
         """out[lo:lo + block] = H_B (d * x[lo:lo + block]) (out may be x); g: the global
         index of x[lo]; sb: _sign_scratch(block)."""
@@ -631,7 +631,7 @@ if numba is not None:
                     _across(out, lo + t, h, span)
             h = span
 
-    @numba.njit
+    @numba.njit(inline="always")
     def _inverse(src, s0, out, lo, block, g, key, inv, sb):
         """out[lo:lo + block] = d * ((H_B src[s0:s0 + block]) * inv), transforming src in
         place up to the last group (src may be out at the same offset, or scratch)."""
