@@ -118,7 +118,7 @@ def rotation_fns(n: int, bits: int) -> Fns:
     """The kernels' round trip of one ``n``-element float32 bucket on one rank (the sum of
     one rank's words is those words), without and with the rotation."""
     block = core.default_scale_block(bits)
-    counts = np.asarray(core.segments([n], block)[0])
+    counts = core.segments([n], block)[0]  # the tuple the engine passes (kernels._derived)
     level = core.levels(bits, 1)
     x = np.random.default_rng(0).normal(size=n).astype(np.float32)
     rotated, out = kernels.host_array(n, np.float32), kernels.host_array(n, np.float32)

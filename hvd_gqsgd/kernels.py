@@ -1062,11 +1062,24 @@ def _segment_items(counts: Sequence[int], lo: int, hi: int
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`_work_items` of segments of ``counts`` elements, cut to the bucket elements
     ``lo .. hi``: each item's first element (counted from ``lo``), its element count, and
-    its segment."""
+    its segment.  The whole bucket's are kept with the counts (``_derived``): cutting 262144
+    items of a 64 MB bucket at 64-element blocks cost about 2 ms a call."""
     seg, a, b = _work_items(counts)
+    if lo == 0 and hi >= (b[-1] if b.size else 0):
+        return _derived(counts, "whole_items", _make_whole_items)
+    return _cut_items(seg, a, b, lo, hi)
+
+
+def _cut_items(seg: np.ndarray, a: np.ndarray, b: np.ndarray, lo: int, hi: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     a, b = np.clip(a, lo, hi), np.clip(b, lo, hi)
     keep = b > a
     return a[keep] - lo, (b - a)[keep], seg[keep]
+
+
+def _make_whole_items(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    seg, a, b = _make_work_items(counts)
+    return _cut_items(seg, a, b, 0, int(b[-1]) if b.size else 0)
 
 
 def segment_norms(x: np.ndarray, counts: Sequence[int] | np.ndarray, norm: str
